@@ -1,0 +1,40 @@
+"""Global switch that decides whether FP8 modules compute in FP8.
+
+By default an FP8 module computes in FP8 while it is in training mode, and in eval mode only when its
+recipe has ``use_during_eval``. :func:`fp8_autocast` overrides that for a region of code, e.g. to
+compare a patched model's FP8 loss with its high-precision loss without unpatching it::
+
+    with hf_fp8.fp8_autocast(enabled=False):
+        reference_loss = model(**batch).loss
+
+Unlike Transformer Engine's autocast, the backward pass needs no care: each FP8 layer's backward uses
+the precision its forward ran in, whatever the switch says when ``backward()`` is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["fp8_active", "fp8_autocast"]
+
+_override: bool | None = None
+
+
+@contextmanager
+def fp8_autocast(enabled: bool = True) -> Iterator[None]:
+    """Force FP8 on (also in eval mode) or off for every FP8 module inside the ``with`` block."""
+    global _override
+    previous = _override
+    _override = bool(enabled)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def fp8_active(training: bool, use_during_eval: bool) -> bool:
+    """Whether an FP8 module in this mode computes in FP8 right now."""
+    if _override is not None:
+        return _override
+    return training or use_during_eval

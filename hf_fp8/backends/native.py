@@ -1,0 +1,289 @@
+"""Native PyTorch FP8 backend: ``Fp8Linear`` on ``torch.float8_*`` and ``torch._scaled_mm``.
+
+Runs wherever ``torch._scaled_mm`` does (Hopper and Ada GPUs; the CPU in torch >= 2.13), so the FP8
+numerics of training are the same in CPU tests and on the GPU. All three GEMMs of a linear layer run in
+FP8 with tensorwise scales:
+
+* forward  ``y  = x @ W.T``   with x, W in the forward format (E4M3 unless the recipe says E5M2),
+* dgrad    ``dx = dy @ W``    with dy in the backward format (E5M2 for ``hybrid``),
+* wgrad    ``dW = dy.T @ x``  skipped when the weight is frozen.
+
+Accumulation is float32 inside the GEMM; outputs come back in the input's dtype (or the autocast
+dtype); the bias is added in that precision. Only the FP8 copies of x and W are saved for backward,
+so activations saved by an FP8 layer take half the memory of BF16 ones.
+
+Per tensor role (input, weight, grad_output) the module keeps an amax history and a scale as
+non-persistent buffers (they never show up in ``state_dict``, so HF checkpoints load unchanged).
+Every FP8 forward/backward writes its amax into slot 0 of the history; :func:`update_fp8_scales`
+ends a step by turning the histories into next step's scales and rolling them. A scale of 0 means
+"no history yet": the tensor is then scaled by its own amax, so the first step is not wasted on a
+guess.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_fp8.autocast import fp8_active
+from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.recipe import Fp8Recipe
+
+__all__ = ["Fp8Linear", "update_fp8_scales"]
+
+# Rows of ``amax_history`` and entries of ``scale``.
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+_ROLES = ("input", "weight", "grad_output")
+
+# FP8 GEMMs need the contraction dimension to be a multiple of this.
+_GEMM_ALIGN = 16
+
+
+class _GemmConfig(NamedTuple):
+    forward_format: Fp8Format
+    backward_format: Fp8Format
+    current_scaling: bool
+    margin: int
+    out_dtype: torch.dtype
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in FP8 while FP8 is active (see :mod:`hf_fp8.autocast`).
+
+    A subclass of ``nn.Linear`` with the same ``weight``/``bias`` parameters, so ``isinstance`` checks,
+    PEFT's LoRA dispatch and HF ``state_dict`` keys keep working. Outside FP8 (eval mode by default) it
+    is exactly ``nn.Linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recipe: Fp8Recipe | None = None,
+    ) -> None:
+        _check_gemm_shape(in_features, out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe or Fp8Recipe()
+        self._reset_fp8_state()
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
+        """An ``Fp8Linear`` that shares ``linear``'s parameters (same objects, so optimizers and tied
+        weights stay valid)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._reset_fp8_state()
+        return new
+
+    def _reset_fp8_state(self) -> None:
+        device = self.weight.device
+        history = torch.zeros(len(_ROLES), self.recipe.amax_history_len, device=device)
+        self.register_buffer("amax_history", history, persistent=False)
+        self.register_buffer("scale", torch.zeros(len(_ROLES), device=device), persistent=False)
+        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not fp8_active(self.training, self.recipe.use_during_eval):
+            return F.linear(x, self.weight, self.bias)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        config = _GemmConfig(
+            forward_format=self.recipe.forward_format,
+            backward_format=self.recipe.backward_format,
+            current_scaling=self.recipe.scaling == "current",
+            margin=self.recipe.margin,
+            out_dtype=out_dtype,
+        )
+        with torch.autocast(device_type, enabled=False):
+            return _Fp8LinearFunction.apply(
+                x, self.weight, self.bias, self.amax_history, self.scale, self.training, config
+            )
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return f"{super().extra_repr()}, format={r.format}, scaling={r.scaling}, margin={r.margin}"
+
+
+@torch.no_grad()
+def update_fp8_scales(model: nn.Module) -> None:
+    """End an FP8 training step for every :class:`Fp8Linear` in ``model``.
+
+    For delayed scaling, each role's new scale is computed from its amax history (``max`` over it, or
+    its ``most_recent`` entry, which is the step just finished) every ``interval`` steps; then the
+    histories roll so slot 0 is free for the next step. ``patch_model`` calls this at the start of each
+    training forward; call it yourself once per step when you use ``Fp8Linear`` without it.
+    """
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            _advance_step(module)
+
+
+def _advance_step(module: Fp8Linear) -> None:
+    recipe, history, scale = module.recipe, module.amax_history, module.scale
+    if recipe.scaling == "delayed":
+        amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0]
+        new_scale = torch.cat(
+            [
+                compute_scale(amax[:GRAD_OUTPUT], recipe.forward_format, recipe.margin, scale[:GRAD_OUTPUT]),
+                compute_scale(amax[GRAD_OUTPUT:], recipe.backward_format, recipe.margin, scale[GRAD_OUTPUT:]),
+            ]
+        )
+        due = torch.remainder(module.fp8_steps, recipe.interval) == 0
+        scale.copy_(torch.where(due, new_scale, scale))
+    history.copy_(history.roll(1, dims=1))
+    history[:, 0] = 0
+    module.fp8_steps += 1
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        amax_history: torch.Tensor,
+        scale: torch.Tensor,
+        record: bool,
+        config: _GemmConfig,
+    ) -> torch.Tensor:
+        # FP8 GEMMs want row-major operands; casts keep their input's layout, so start contiguous.
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        fmt = config.forward_format
+        x_scale = _pick_scale(x2d, INPUT, amax_history, scale, fmt, config, record)
+        w_scale = _pick_scale(weight, WEIGHT, amax_history, scale, fmt, config, record)
+        x_fp8 = cast_to_fp8(x2d, x_scale, fmt)
+        w_fp8 = cast_to_fp8(weight, w_scale, fmt)
+        out = _fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale, config.out_dtype)
+        if bias is not None:
+            out = out + bias.to(config.out_dtype)
+
+        needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(
+            x_fp8 if needs_w_grad else None, w_fp8 if needs_x_grad else None, x_scale, w_scale
+        )
+        # The state buffers are updated in place by every call of the module (a module may run twice in
+        # one forward), so they ride on ctx rather than through save_for_backward's version checks.
+        ctx.amax_history = amax_history
+        ctx.scale = scale
+        ctx.record = record
+        ctx.config = config
+        ctx.has_bias = bias is not None
+        ctx.input_shape = x.shape
+        ctx.input_dtype = x.dtype
+        ctx.weight_dtype = weight.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_fp8, w_fp8, x_scale, w_scale = ctx.saved_tensors
+        config: _GemmConfig = ctx.config
+        fmt = config.backward_format
+        dy = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        dy_scale = _pick_scale(dy, GRAD_OUTPUT, ctx.amax_history, ctx.scale, fmt, config, ctx.record)
+        dy_fp8 = cast_to_fp8(dy, dy_scale, fmt)
+
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # dx = dy @ W: W (out, in) must be the column-major right operand.
+            w_col_major = w_fp8.t().contiguous().t()
+            grad_x = _fp8_mm(dy_fp8, w_col_major, dy_scale, w_scale, ctx.input_dtype)
+            grad_x = grad_x.reshape(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            # dW = dy.T @ x contracts over tokens, which must be a multiple of 16: pad with zero rows.
+            dy_t = _pad_rows(dy_fp8, _GEMM_ALIGN).t().contiguous()
+            x_col_major = _pad_rows(x_fp8, _GEMM_ALIGN).t().contiguous().t()
+            grad_w = _fp8_mm(dy_t, x_col_major, dy_scale, x_scale, ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(dim=0)
+        return grad_x, grad_w, grad_bias, None, None, None, None
+
+
+def _pick_scale(
+    t: torch.Tensor,
+    role: int,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Fp8Format,
+    config: _GemmConfig,
+    record: bool,
+) -> torch.Tensor:
+    """The scale for ``t`` in this step, recording ``t``'s amax in the history when ``record``.
+
+    Delayed scaling uses the stored scale; current scaling, and delayed scaling before its first
+    update (stored scale 0), use ``t``'s own amax. The scale used is written back to ``scale`` so that
+    telemetry reads what was actually applied.
+    """
+    amax = t.detach().abs().amax().float()
+    if record:
+        amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
+    just_in_time = compute_scale(amax, fmt, config.margin)
+    if config.current_scaling:
+        chosen = just_in_time
+    else:
+        chosen = torch.where(scale[role] > 0, scale[role], just_in_time)
+    if record:
+        scale[role] = chosen
+    return chosen
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[0] % multiple
+    if extra == 0:
+        return t
+    return torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
+_emulation_warned: set[tuple[str, torch.dtype, torch.dtype]] = set()
+
+
+def _fp8_mm(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` (row-major) and ``b`` (column-major).
+
+    Uses ``torch._scaled_mm``. Where it cannot run this pairing (torch without it; cuBLAS has no
+    E5M2 x E5M2 kernel) the product is emulated exactly: FP8 values multiply exactly in float32 and
+    accumulate in float32, as the tensor cores do. Emulation is announced once per pairing.
+    """
+    if _scaled_mm_supported(a, b):
+        return torch._scaled_mm(a, b, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype=out_dtype)
+    key = (a.device.type, a.dtype, b.dtype)
+    if key not in _emulation_warned:
+        _emulation_warned.add(key)
+        warnings.warn(
+            f"hf_fp8: no FP8 GEMM kernel for {a.dtype} x {b.dtype} on {a.device.type}; emulating it "
+            "exactly in float32 (same numerics, no FP8 speed-up)",
+            stacklevel=3,
+        )
+    out = (a.float() @ b.float()) * (a_scale.reciprocal() * b_scale.reciprocal())
+    return out.to(out_dtype)
+
+
+def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    return not (a.is_cuda and a.dtype == b.dtype == torch.float8_e5m2)
+
+
+def _check_gemm_shape(in_features: int, out_features: int) -> None:
+    bad = {name: n for name, n in (("in_features", in_features), ("out_features", out_features)) if n % 16}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(
+            f"FP8 GEMMs need both dimensions divisible by 16, got {detail}; keep this layer in high "
+            "precision (patch_model skips it by itself) or pad its weight"
+        )

@@ -1,0 +1,309 @@
+"""``Fp8Recipe``: how a model uses FP8, as one frozen, validated value.
+
+A recipe is built in code, from a YAML file, from a dict that may use NeMo's or the H200 guide's key
+names, or from accelerate's ``ACCELERATE_FP8_*`` environment variables. Every way in goes through the
+same validation, so a bad key, type or value is reported the same way wherever it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hf_fp8.formats import E4M3, E5M2, Fp8Format
+
+__all__ = ["RECIPES", "Fp8Recipe"]
+
+_FORMATS = ("hybrid", "e4m3", "e5m2")
+_SCALINGS = ("delayed", "current")
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How FP8 is used for training. Defaults are Transformer Engine's ``DelayedScaling`` defaults.
+
+    Attributes:
+        enabled: use FP8 at all; ``False`` keeps the model in its own precision (a BF16 baseline run).
+        format: ``"hybrid"`` (E4M3 forward, E5M2 gradients), ``"e4m3"`` or ``"e5m2"`` everywhere.
+        scaling: ``"delayed"`` (scale from the amax history of earlier steps) or ``"current"`` (scale from
+            the tensor's own amax, computed just in time).
+        margin: scale = FP8_MAX / (amax * 2**margin); each step of margin halves the scale and buys one
+            binade of headroom against overflow.
+        amax_history_len: amaxes kept per tensor for delayed scaling.
+        amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
+        interval: recompute delayed scales every ``interval`` steps (histories still record every step).
+        fp8_weights: keep frozen weights stored in FP8 (1 byte a value plus a scale).
+        pad_to_multiple: pad the token dimension to a multiple of this (FP8 GEMMs need 16).
+        modules_to_not_convert: module name patterns left in high precision (``fnmatch`` syntax; a
+            pattern also matches as a suffix of the dotted name, so ``"lm_head"`` or ``"mlp.gate"``).
+        use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
+    """
+
+    enabled: bool = True
+    format: str = "hybrid"
+    scaling: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    interval: int = 1
+    fp8_weights: bool = False
+    pad_to_multiple: int = 16
+    modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
+    use_during_eval: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = _validate_field(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+
+    @property
+    def forward_format(self) -> Fp8Format:
+        """Format of activations and weights."""
+        return E5M2 if self.format == "e5m2" else E4M3
+
+    @property
+    def backward_format(self) -> Fp8Format:
+        """Format of gradients."""
+        return E4M3 if self.format == "e4m3" else E5M2
+
+    def replace(self, **changes: Any) -> Fp8Recipe:
+        """A copy with ``changes`` applied and validated."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- dicts and YAML -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base: Fp8Recipe | None = None) -> Fp8Recipe:
+        """Build a recipe from ``data``, on top of ``base`` (the defaults when ``None``).
+
+        Besides the field names, the NeMo keys (``fp8``, ``fp8_hybrid``, ``fp8_e4m3``, ``fp8_margin``,
+        ``fp8_amax_history_len``, ``fp8_amax_compute_algo``, ``fp8_params``, ``fp8_interval``) and the H200
+        guide's keys (``use_fp8``, ``fp8_format``) are accepted. Two keys that set the same field to
+        different values are an error.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"an FP8 recipe must be a mapping of keys to values, got {type(data).__name__}")
+        changes: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for key, value in data.items():
+            for name, raw in _translate_key(key, value):
+                try:
+                    canonical = _validate_field(name, raw)
+                except ValueError as err:
+                    if key == name:
+                        raise
+                    raise ValueError(f"{err} (given as {key!r})") from None
+                if name in changes and changes[name] != canonical:
+                    raise ValueError(
+                        f"recipe keys {sources[name]!r} and {key!r} disagree on {name}: "
+                        f"{changes[name]!r} vs {canonical!r}; keep one of them"
+                    )
+                changes[name] = canonical
+                sources[name] = key
+        return dataclasses.replace(base or cls(), **changes)
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The recipe as YAML text; also written to ``path`` when given."""
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, section: str | None = None) -> Fp8Recipe:
+        """Load a recipe from a YAML file; ``section`` picks a nested mapping of a larger config."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read FP8 recipe file {str(path)!r}: {err.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise ValueError(f"{path}:{where}: not valid YAML: {problem}") from None
+        data = {} if data is None else data
+        if section is not None:
+            if not isinstance(data, Mapping) or section not in data:
+                raise ValueError(f"{path}: no section {section!r} in this file")
+            data = data[section]
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, base: Fp8Recipe | None = None) -> Fp8Recipe:
+        """Build a recipe from accelerate's ``ACCELERATE_FP8_*`` variables, on top of ``base``.
+
+        Only variables that are set change the recipe; an unset one keeps ``base``'s value (not
+        accelerate's own default). ``ACCELERATE_FP8_OVERRIDE_{FPROP,DGRAD,WGRAD}`` would run a GEMM of
+        every FP8 layer in high precision, which hf-fp8 does not do behind the user's back: they are
+        refused, and ``modules_to_not_convert`` is the way to keep chosen layers in high precision.
+        """
+        environ = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for var, (name, parse) in _ENV_VARS.items():
+            if var in environ:
+                try:
+                    changes[name] = parse(environ[var])
+                except ValueError:
+                    raise ValueError(
+                        f"environment variable {var}={environ[var]!r} is not a valid {name}"
+                    ) from None
+        for var in (
+            "ACCELERATE_FP8_OVERRIDE_FPROP",
+            "ACCELERATE_FP8_OVERRIDE_DGRAD",
+            "ACCELERATE_FP8_OVERRIDE_WGRAD",
+        ):
+            if _parse_bool(environ.get(var, "false")):
+                raise ValueError(
+                    f"{var} asks for a high-precision GEMM inside every FP8 layer, which hf-fp8 does not "
+                    "support; unset it, and list layers to keep in high precision in modules_to_not_convert"
+                )
+        try:
+            return dataclasses.replace(base or cls(), **changes)
+        except ValueError as err:
+            raise ValueError(f"from ACCELERATE_FP8_* environment: {err}") from None
+
+    @classmethod
+    def named(cls, name: str) -> Fp8Recipe:
+        """One of the named recipes in :data:`RECIPES` (the same as the files in ``recipes/``)."""
+        try:
+            return RECIPES[name]
+        except KeyError:
+            raise ValueError(f"unknown recipe {name!r}; named recipes are {sorted(RECIPES)}") from None
+
+
+# ---- validation -----------------------------------------------------------------------------------
+
+
+def _expect_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"recipe key {name!r} must be true or false, got {value!r}")
+    return value
+
+
+def _expect_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"recipe key {name!r} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"recipe key {name!r} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def _expect_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.lower() in choices:
+        return value.lower()
+    raise ValueError(f"recipe key {name!r} must be one of {list(choices)}, got {value!r}")
+
+
+def _validate_pad(name: str, value: Any) -> int:
+    value = _expect_int(name, value, 1)
+    if value % 16:
+        raise ValueError(
+            f"recipe key {name!r} must be a multiple of 16 (FP8 GEMMs need dimensions divisible by 16), "
+            f"got {value}"
+        )
+    return value
+
+
+def _validate_patterns(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"recipe key {name!r} must be a list of module name patterns, got {value!r}")
+    return tuple(value)
+
+
+_VALIDATORS = {
+    "enabled": _expect_bool,
+    "format": lambda n, v: _expect_choice(n, v, _FORMATS),
+    "scaling": lambda n, v: _expect_choice(n, v, _SCALINGS),
+    "margin": lambda n, v: _expect_int(n, v, 0),
+    "amax_history_len": lambda n, v: _expect_int(n, v, 1),
+    "amax_compute_algo": lambda n, v: _expect_choice(n, v, _AMAX_ALGOS),
+    "interval": lambda n, v: _expect_int(n, v, 1),
+    "fp8_weights": _expect_bool,
+    "pad_to_multiple": _validate_pad,
+    "modules_to_not_convert": _validate_patterns,
+    "use_during_eval": _expect_bool,
+}
+
+
+def _validate_field(name: str, value: Any) -> Any:
+    return _VALIDATORS[name](name, value)
+
+
+# ---- key translation (NeMo, H200 guide) -----------------------------------------------------------
+
+_ALIASES = {
+    "use_fp8": "enabled",
+    "fp8_format": "format",
+    "fp8_margin": "margin",
+    "fp8_amax_history_len": "amax_history_len",
+    "fp8_amax_compute_algo": "amax_compute_algo",
+    "fp8_interval": "interval",
+    "fp8_params": "fp8_weights",
+}
+
+
+def _translate_key(key: Any, value: Any) -> list[tuple[str, Any]]:
+    """Map one input key to the (field, value) pairs it sets."""
+    if key in _VALIDATORS:
+        return [(key, value)]
+    if key in _ALIASES:
+        return [(_ALIASES[key], value)]
+    if key == "fp8":  # NeMo: a bool that turns FP8 on, or (some configs) the format name
+        return [("format", value)] if isinstance(value, str) else [("enabled", _expect_bool(key, value))]
+    if key in ("fp8_hybrid", "fp8_e4m3"):  # NeMo: a bool per format
+        return [("format", key[4:])] if _expect_bool(key, value) else []
+    known = sorted([*_VALIDATORS, *_ALIASES, "fp8", "fp8_hybrid", "fp8_e4m3"])
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+    raise ValueError(f"unknown recipe key {key!r}{did_you_mean} Known keys: {', '.join(known)}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+_ENV_VARS = {
+    "ACCELERATE_FP8_FORMAT": ("format", str),
+    "ACCELERATE_FP8_MARGIN": ("margin", int),
+    "ACCELERATE_FP8_INTERVAL": ("interval", int),
+    "ACCELERATE_FP8_AMAX_HISTORY_LEN": ("amax_history_len", int),
+    "ACCELERATE_FP8_AMAX_COMPUTE_ALGO": ("amax_compute_algo", str),
+    "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": ("use_during_eval", _parse_bool),
+}
+
+RECIPES: dict[str, Fp8Recipe] = {
+    # Transformer Engine's DelayedScaling defaults.
+    "hybrid-delayed": Fp8Recipe(),
+    # Scales from each tensor's own amax: no history to warm up, robust to sudden range changes.
+    "current-scaling": Fp8Recipe(scaling="current"),
+    # One binade of headroom: first thing to try against overflow and loss spikes.
+    "conservative": Fp8Recipe(margin=1),
+    # LoRA: frozen base weights stored in FP8, adapters in high precision.
+    "lora-fp8": Fp8Recipe(fp8_weights=True),
+}

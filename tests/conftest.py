@@ -1,0 +1,60 @@
+"""Shared helpers: GPU gating, a counter of FP8 GEMM calls, and FP8 error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_fp8.formats import E4M3, Fp8Format
+
+# Unit roundoff (half a mantissa step, relative) and half the subnormal spacing of each format.
+UNIT_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+HALF_SUBNORMAL_STEP = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
+
+
+def fp8_gpu_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def pytest_collection_modifyitems(config, items):
+    if fp8_gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+class ScaledMmCalls(TorchDispatchMode):
+    """Records the operand dtypes of every ``aten._scaled_mm`` call made inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.default:
+            self.calls.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def quantization_error_bound(
+    t: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format = E4M3
+) -> torch.Tensor:
+    """Largest possible |fp8(t * scale) / scale - t| per element, for values within range.
+
+    Round-to-nearest keeps normal values within one unit roundoff (relative); below the normal range
+    the error is at most half the subnormal spacing (absolute, in scaled units).
+    """
+    scale = float(scale)
+    t = t.double().abs()
+    return torch.maximum(
+        UNIT_ROUNDOFF[fmt.name] * t, torch.full_like(t, HALF_SUBNORMAL_STEP[fmt.name] / scale)
+    )
+
+
+def matmul_error_bound(a: torch.Tensor, da: torch.Tensor, b: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
+    """Bound on |(a + ea) @ (b + eb) - a @ b| given |ea| <= da and |eb| <= db, elementwise."""
+    a, b = a.double().abs(), b.double().abs()
+    return a @ db + da @ b + da @ db
