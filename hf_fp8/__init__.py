@@ -1,9 +1,12 @@
 """hf-fp8: FP8 training and fine-tuning for HuggingFace Transformers models."""
 
 from hf_fp8.autocast import fp8_autocast
-from hf_fp8.backends.native import Fp8Linear, update_fp8_scales
+from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, update_fp8_scales
 from hf_fp8.formats import E4M3, E5M2, cast_to_representable
+from hf_fp8.padding import Fp8PaddingCollator
+from hf_fp8.patch import is_patched, patch_model, unpatch_model
 from hf_fp8.recipe import RECIPES, Fp8Recipe
+from hf_fp8.report import PatchReport
 
 __version__ = "0.1.0"
 
@@ -11,9 +14,15 @@ __all__ = [
     "E4M3",
     "E5M2",
     "RECIPES",
+    "Fp8Conv1D",
     "Fp8Linear",
+    "Fp8PaddingCollator",
     "Fp8Recipe",
+    "PatchReport",
     "cast_to_representable",
     "fp8_autocast",
+    "is_patched",
+    "patch_model",
+    "unpatch_model",
     "update_fp8_scales",
 ]

@@ -44,6 +44,8 @@ class Fp8Recipe:
         pad_to_multiple: pad the token dimension to a multiple of this (FP8 GEMMs need 16).
         modules_to_not_convert: module name patterns left in high precision (``fnmatch`` syntax; a
             pattern also matches as a suffix of the dotted name, so ``"lm_head"`` or ``"mlp.gate"``).
+        convert_lm_head: also convert the output head and layers whose weight is tied to the input
+            embeddings (off by default: the logits feed the loss directly and are sensitive to rounding).
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
     """
 
@@ -57,6 +59,7 @@ class Fp8Recipe:
     fp8_weights: bool = False
     pad_to_multiple: int = 16
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
+    convert_lm_head: bool = False
     use_during_eval: bool = False
 
     def __post_init__(self) -> None:
@@ -242,6 +245,7 @@ _VALIDATORS = {
     "fp8_weights": _expect_bool,
     "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,
+    "convert_lm_head": _expect_bool,
     "use_during_eval": _expect_bool,
 }
 

@@ -18,7 +18,7 @@ def test_defaults_are_transformer_engine_delayed_scaling():
         1,
     )
     assert r.enabled and not r.fp8_weights and not r.use_during_eval
-    assert r.pad_to_multiple == 16 and r.modules_to_not_convert == ()
+    assert r.pad_to_multiple == 16 and r.modules_to_not_convert == () and not r.convert_lm_head
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,7 @@ def test_recipe_is_frozen_and_replace_validates():
         ("pad_to_multiple", 64, 8, "multiple of 16"),
         ("pad_to_multiple", 32, "16", "integer >= 1"),
         ("modules_to_not_convert", ["lm_head", "*.gate"], [3], "list of module name patterns"),
+        ("convert_lm_head", True, "no", "true or false"),
         ("use_during_eval", True, None, "true or false"),
     ],
 )

