@@ -386,7 +386,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
     state: _PatchState = getattr(model, _STATE_ATTR)
     lengths = state.padded.pop() if state.padded else PaddedLengths({})
-    if model.training and fp8_active(True, state.recipe.use_during_eval):
+    if model.training and torch.is_grad_enabled() and fp8_active(True, state.recipe.use_during_eval):
         state.step_pending = True
     return unpad_outputs(outputs, lengths)
 
@@ -404,11 +404,14 @@ def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 
 def _pad_token_id(config: Any) -> int:
+    """A token id for padding: the pad token, else EOS, else 0; always inside the vocabulary (the
+    positions are masked, so any valid id does)."""
+    vocab_size = getattr(config, "vocab_size", None)
     for key in ("pad_token_id", "eos_token_id"):
         value = getattr(config, key, None)
         if isinstance(value, (list, tuple)):
             value = value[0] if value else None
-        if isinstance(value, int):
+        if isinstance(value, int) and value >= 0 and (vocab_size is None or value < vocab_size):
             return value
     return 0
 

@@ -155,6 +155,15 @@ def test_on_the_fly_padding_fills_each_input_as_documented():
     assert out.logits.shape == (2, 13, 256)
 
 
+def test_pad_token_outside_a_small_vocabulary_is_not_used():
+    """GPT2Config's EOS id (50256) is outside a 256-token vocabulary; padding must still use a valid id."""
+    model = tm.build("gpt2")
+    model.config.eos_token_id = 50256
+    assert model.config.pad_token_id is None
+    patch_model(model)
+    model(**tm.batch_for("gpt2", 13)).loss.backward()
+
+
 def test_eval_mode_runs_high_precision_without_padding():
     model = tm.build("llama")
     reference = copy.deepcopy(model).eval()
@@ -190,6 +199,12 @@ def test_scales_advance_once_per_training_forward():
         model(**tm.batch_for("llama", 16))
         model.train()
     assert layer.fp8_steps.item() == 2, "eval forwards are not training steps"
+    history = layer.amax_history.clone()
+    with torch.no_grad():
+        model(**tm.batch_for("llama", 16))
+    model(**tm.batch_for("llama", 16))
+    assert layer.fp8_steps.item() == 3, "nor are no_grad forwards in training mode"
+    assert torch.equal(layer.amax_history[:, 2:], history[:, 1:-1])
 
 
 def test_save_pretrained_round_trips_with_no_key_warnings(tmp_path):

@@ -87,10 +87,11 @@ class _Fp8Module(nn.Module):
             margin=self.recipe.margin,
             out_dtype=out_dtype,
         )
+        # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
+        # amax histories alone.
+        record = self.training and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            return _Fp8LinearFunction.apply(
-                x, weight, bias, self.amax_history, self.scale, self.training, config
-            )
+            return _Fp8LinearFunction.apply(x, weight, bias, self.amax_history, self.scale, record, config)
 
     def _fp8_repr(self) -> str:
         r = self.recipe

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite: set up, lint, then pytest (GPU tests are skipped on machines without an FP8 GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m ruff check .
+.venv/bin/python -m ruff format --check .
+exec .venv/bin/python -m pytest -q "$@"
