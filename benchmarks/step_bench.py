@@ -1,0 +1,154 @@
+"""Time one full training step of a Llama-shaped model, BF16 against hf-fp8, in one process on one GPU.
+
+    python benchmarks/step_bench.py --shape 1b --modes bf16,bf16-compile,native,native-compile
+
+Same model (built from a config, random weights, sdpa attention), same batch (4 x 2048 tokens by
+default), AdamW fused; each mode builds its own model, runs warm-up steps, then times steps with CUDA
+events and reports the median. Ratios between modes of one run are what to compare: absolute numbers
+drift between hosts. Prints a Markdown table and writes JSON lines to --out when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_fp8
+
+SHAPES = {
+    # Llama-3.2-1B: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3-8B's layer shape, 4 layers
+    "8b-4l": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+}
+MODES = ("bf16", "bf16-compile", "native", "native-compile", "native-current-compile")
+
+
+def build(shape: str) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, **SHAPES[shape])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.train()
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    """Build, warm up and time one mode; its model and optimizer are freed when this returns."""
+    model = build(args.shape)
+    if mode.startswith("native"):
+        recipe = hf_fp8.Fp8Recipe(scaling="current" if "current" in mode else "delayed")
+        hf_fp8.patch_model(model, recipe)
+    step_model = torch.compile(model) if mode.endswith("compile") else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
+
+    def step() -> torch.Tensor:
+        loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+        losses.append(loss.item())
+    ms = statistics.median(times)
+    result = {
+        "mode": mode,
+        "shape": args.shape,
+        "ms_per_step": ms,
+        "tokens_per_s": args.batch * args.seq / ms * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "loss": losses[-1],
+        "warmup_s": warmup_s,
+    }
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
+        f"batch {args.batch} x {args.seq}",
+        flush=True,
+    )
+    results = []
+    for mode in modes:
+        try:
+            result = run_mode(mode, args)
+        except Exception as err:  # report and go on: one broken mode must not hide the others
+            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
+            gc.collect()
+            torch.cuda.empty_cache()
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+    base = next((r for r in results if r["mode"] == "bf16" and "error" not in r), None)
+    print("\n| mode | tokens/s | vs bf16 | ms/step | peak GiB | loss |\n|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | error: {r['error'][:80]} | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        print(
+            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['ms_per_step']:.1f} | "
+            f"{r['peak_gib']:.1f} | {r['loss']:.4f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
