@@ -97,8 +97,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         "loss": losses[-1],
         "warmup_s": warmup_s,
     }
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -128,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_mode(mode, args)
         except Exception as err:  # report and go on: one broken mode must not hide the others
             result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
-            gc.collect()
-            torch.cuda.empty_cache()
+        gc.collect()
+        torch.cuda.empty_cache()
         results.append(result)
         print(json.dumps(result), flush=True)
         if args.out:
