@@ -11,6 +11,8 @@ drift between hosts. Prints a Markdown table and writes JSON lines to --out when
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import statistics
@@ -42,7 +44,17 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
 }
-MODES = ("bf16", "bf16-compile", "native", "native-compile", "native-current-compile")
+MODES = (
+    "bf16",
+    "bf16-compile",
+    "native",
+    "native-compile",
+    "native-current-compile",
+    "accelerate-te",
+    "te",
+    "te-fused",
+    "te-fused-lmhead",
+)
 
 
 def build(shape: str) -> LlamaForCausalLM:
@@ -57,16 +69,33 @@ def build(shape: str) -> LlamaForCausalLM:
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     """Build, warm up and time one mode; its model and optimizer are freed when this returns."""
     model = build(args.shape)
+    forward_context = contextlib.nullcontext
     if mode.startswith("native"):
         recipe = hf_fp8.Fp8Recipe(scaling="current" if "current" in mode else "delayed")
-        hf_fp8.patch_model(model, recipe)
+        hf_fp8.patch_model(model, recipe, backend="native")
+    elif mode.startswith("te"):
+        recipe = hf_fp8.Fp8Recipe(convert_lm_head=mode.endswith("lmhead"))
+        hf_fp8.patch_model(model, recipe, backend="te", fuse=mode.startswith("te-fused"))
+    elif mode == "accelerate-te":
+        # The peer: accelerate's converter (nn.Linear/nn.LayerNorm -> TE) and TE's autocast around the
+        # forward with TE's default DelayedScaling, as accelerate's mixed_precision="fp8" does.
+        import transformer_engine.pytorch as te
+        from accelerate import Accelerator
+        from accelerate.utils.transformer_engine import convert_model
+        from transformer_engine.common.recipe import DelayedScaling
+
+        Accelerator()  # convert_model expects accelerate's state to exist, as in a real run
+        with torch.no_grad():
+            convert_model(model)
+        forward_context = functools.partial(te.autocast, enabled=True, recipe=DelayedScaling())
     step_model = torch.compile(model) if mode.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     generator = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
 
     def step() -> torch.Tensor:
-        loss = step_model(input_ids=ids, labels=ids).loss
+        with forward_context():
+            loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -115,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
 
+    if any("te" in mode.split("-") for mode in modes):
+        # Import Transformer Engine before CUDA and cuDNN are initialised: imported later, on some hosts
+        # it resolves a system cuDNN library that clashes with the one torch already loaded.
+        import transformer_engine.pytorch  # noqa: F401
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
         f"batch {args.batch} x {args.seq}",

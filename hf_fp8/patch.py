@@ -1,15 +1,19 @@
 """``patch_model``: turn any HF Transformers model into an FP8 model, in place, and back.
 
 The walk replaces every ``nn.Linear`` and transformers ``Conv1D`` it can with the backend's FP8
-layer, sharing the original parameters (same objects: optimizers, tied weights and ``state_dict`` keys
-are untouched). Everything it does not convert is recorded in the :class:`PatchReport` with the
-reason, and the walk always goes on with the siblings.
+layer; the native backend shares the original parameters (same objects: optimizers, tied weights and
+``state_dict`` keys are untouched), Transformer Engine's modules get exact copies and keep HF's keys
+through state-dict hooks. With Transformer Engine, norms become TE norms and Llama-family decoder
+blocks are fused (see :mod:`hf_fp8.backends.te`). Everything not converted is recorded in the
+:class:`PatchReport` with the reason, and the walk always goes on with the siblings.
 
-It also registers two forward hooks on the top-level model (removed by :func:`unpatch_model`):
+It also registers forward hooks on the top-level model (removed by :func:`unpatch_model`):
 
-* before the forward, in training: end the previous FP8 step (amax histories -> scales, see
-  :func:`hf_fp8.update_fp8_scales`) and pad the batch's token dimension to a multiple of 16;
-* after the forward: slice per-token outputs back to the caller's length.
+* before the forward, in training: end the previous FP8 step (native: amax histories -> scales, see
+  :func:`hf_fp8.update_fp8_scales`), pad the batch's token dimension to a multiple of 16, and enter
+  ``te.autocast`` (TE backend);
+* after the forward, always: leave ``te.autocast`` (so the backward runs outside it, TE's rule) and
+  slice per-token outputs back to the caller's length.
 
 Hooks are PyTorch's own extension point, so nothing of the model's class or ``forward`` is replaced.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import inspect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +33,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
+from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, update_fp8_scales
+from hf_fp8.norms import norm_kind
 from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
@@ -43,14 +50,18 @@ _ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 
 @dataclass
 class _PatchState:
-    """What a patched model carries: its recipe, report, hooks and step bookkeeping."""
+    """What a patched model carries: its recipe, backend, report, hooks and step bookkeeping."""
 
     recipe: Fp8Recipe
+    backend: str
     report: PatchReport
     handles: list[RemovableHandle] = field(default_factory=list)
+    # TE backend: (dotted path, meta-device copy of the module that stood there), to unpatch.
+    originals: list[tuple[str, nn.Module | None]] = field(default_factory=list)
     # A training forward ran in FP8 since the last scale update.
     step_pending: bool = False
     padded: list[PaddedLengths] = field(default_factory=list)
+    autocasts: list[Any] = field(default_factory=list)
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -58,37 +69,54 @@ def is_patched(model: nn.Module) -> bool:
     return hasattr(model, _STATE_ATTR)
 
 
-def patch_model(model: nn.Module, recipe: Fp8Recipe | None = None, backend: str = "auto") -> PatchReport:
+def patch_model(
+    model: nn.Module, recipe: Fp8Recipe | None = None, backend: str = "auto", fuse: bool = True
+) -> PatchReport:
     """Convert ``model`` to FP8 in place and return the report of what was converted.
 
     Args:
         model: any HF Transformers model (or plain ``nn.Module``), typically fresh from
-            ``from_pretrained``. Parameters are shared, not copied.
+            ``from_pretrained``, before its optimizer is created.
         recipe: how FP8 is used; :class:`Fp8Recipe` defaults when ``None``.
-        backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine) or ``"auto"``.
+        backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine, FP8 GPUs) or
+            ``"auto"`` (TE when it imports and the GPU supports FP8, else native).
+        fuse: with TE, fuse Llama-family decoder blocks (norm + q/k/v, norm + SwiGLU MLP).
 
     On any error the model is restored to what it was and the error names the module.
     """
     recipe = recipe or Fp8Recipe()
-    backend = _resolve_backend(backend)
+    backend = _resolve_backend(backend, recipe)
     if is_patched(model):
         state: _PatchState = getattr(model, _STATE_ATTR)
-        report = _walk(model, state.recipe, backend, convert=False)
-        return report
+        return _walk(model, state.recipe, state.backend, convert=False)
     if not recipe.enabled:
-        report = _walk(model, recipe, backend, convert=False)
-        return report
-    report = _walk(model, recipe, backend, convert=True)
-    state = _PatchState(recipe=recipe, report=report)
+        return _walk(model, recipe, backend, convert=False)
+    if backend == "te":
+        te_backend.to_te_recipe(recipe)  # refuse what TE cannot do before touching the model
+    state = _PatchState(recipe=recipe, backend=backend, report=PatchReport(backend, recipe, 0))
+    state.report = _walk(model, recipe, backend, convert=True, fuse=fuse, state=state)
     setattr(model, _STATE_ATTR, state)
+    if backend == "te":
+        state.handles += te_backend.install_state_dict_hooks(model)
     state.handles.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
-    state.handles.append(model.register_forward_hook(_after_forward, with_kwargs=True))
-    return report
+    state.handles.append(model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
+    return state.report
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model`: plain ``nn.Linear``/``Conv1D`` modules with the same parameters, no hooks."""
+    """Undo :func:`patch_model`: the original module classes with the same weights (dequantized where
+    they were stored in FP8), no hooks. Native layers give back their very parameters."""
     state: _PatchState | None = getattr(model, _STATE_ATTR, None)
+    if state is not None and state.backend == "te":
+        state_dict = model.state_dict()  # HF keys and layouts, through the TE backend's hooks
+        device = next(itertools.chain(model.parameters(), [torch.empty(0)])).device
+        for handle in state.handles:
+            handle.remove()
+        for path, original in reversed(state.originals):
+            _set_path(model, path, original.to_empty(device=device) if original is not None else None)
+        model.load_state_dict(state_dict, strict=False)
+        delattr(model, _STATE_ATTR)
+        return model
     replaced: dict[int, nn.Module] = {}
     for parent, child_name, _, module in _children(model):
         if isinstance(module, _Fp8Module):
@@ -105,38 +133,95 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 # ---- the walk -------------------------------------------------------------------------------------
 
 
-def _walk(model: nn.Module, recipe: Fp8Recipe, backend: str, convert: bool) -> PatchReport:
+def _walk(
+    model: nn.Module,
+    recipe: Fp8Recipe,
+    backend: str,
+    convert: bool,
+    fuse: bool = False,
+    state: _PatchState | None = None,
+) -> PatchReport:
     report = PatchReport(backend=backend, recipe=recipe, total_params=_count_params(model))
     context = _ModelContext.of(model)
-    journal: list[tuple[nn.Module, str, nn.Module]] = []
+    journal: list[tuple[str, nn.Module | None]] = []  # (path, what stood there), to roll back
     done: dict[int, nn.Module] = {}
     seen: set[int] = set()
     name = ""
+
+    def replace(path: str, new: nn.Module | None) -> None:
+        journal.append((path, _get_path(model, path)))
+        _set_path(model, path, new)
+
     try:
-        for parent, child_name, name, module in _children(model):
+        if convert and backend == "te" and fuse:
+            for name, layer in list(model.named_modules()):
+                if te_backend.fusable(layer) and _fusion_allowed(name, recipe):
+                    records, new_modules = _fuse(name, layer, recipe, replace, state)
+                    report.records += records
+                    seen.update(id(m) for new in new_modules for m in new.modules())
+        for _, _, name, module in _children(model):
             if id(module) in done:  # a module shared by two parents: convert once, keep it shared
                 if convert:
-                    journal.append((parent, child_name, module))
-                    setattr(parent, child_name, done[id(module)])
+                    replace(name, done[id(module)])
                 continue
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            record, replacement = _decide(name, module, recipe, context, convert)
+            record, replacement = _decide(name, module, recipe, backend, context, convert)
             if record is not None:
                 report.records.append(record)
             if replacement is not None:
-                journal.append((parent, child_name, module))
-                setattr(parent, child_name, replacement)
+                replace(name, replacement)
                 done[id(module)] = replacement
+                seen.update(id(m) for m in replacement.modules())
     except Exception as err:
-        for parent, child_name, original in reversed(journal):
-            setattr(parent, child_name, original)
+        for path, original in reversed(journal):
+            _set_path(model, path, original)
+        if state is not None:
+            for handle in state.handles:
+                handle.remove()
         raise RuntimeError(
             f"patch_model failed at module {name!r} ({type(err).__name__}: {err}); the model was restored "
             "unchanged"
         ) from err
+    if state is not None:
+        state.originals = [(path, _skeleton(m) if m is not None else None) for path, m in journal]
     return report
+
+
+_FUSED_MEMBERS = {
+    "input_layernorm": ("rmsnorm", "fused into te.LayerNormLinear with q/k/v"),
+    "self_attn.q_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "self_attn.k_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "self_attn.v_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "post_attention_layernorm": ("rmsnorm", "fused into te.LayerNormMLP with the MLP"),
+    "mlp.gate_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+    "mlp.up_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+    "mlp.down_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+}
+
+
+def _fuse(
+    name: str, layer: nn.Module, recipe: Fp8Recipe, replace, state: _PatchState | None
+) -> list[ModuleRecord]:
+    """Fuse one Llama-family block with TE and return the report entries of the HF modules it covers."""
+    records = []
+    for member, (kind, reason) in _FUSED_MEMBERS.items():
+        module = _get_path(layer, member)
+        flops = module.in_features * module.out_features if kind == "linear" else 0
+        records.append(_record(f"{name}.{member}", module, kind, CONVERTED, reason, flops))
+    replacements, hooks = te_backend.fuse_block(layer, recipe)
+    for path, new in replacements:
+        replace(f"{name}.{path}", new)
+    if state is not None:
+        state.handles += hooks
+    return records, [new for _, new in replacements]
+
+
+def _fusion_allowed(name: str, recipe: Fp8Recipe) -> bool:
+    """No member of the block is excluded by ``modules_to_not_convert``."""
+    members = [f"{name}.{member}" for member in _FUSED_MEMBERS]
+    return not any(_matches(m, p) for m in members for p in recipe.modules_to_not_convert)
 
 
 @dataclass
@@ -168,24 +253,37 @@ class _ModelContext:
 
 
 def _decide(
-    name: str, module: nn.Module, recipe: Fp8Recipe, context: _ModelContext, convert: bool
+    name: str, module: nn.Module, recipe: Fp8Recipe, backend: str, context: _ModelContext, convert: bool
 ) -> tuple[ModuleRecord | None, nn.Module | None]:
     """The report entry for ``module`` and its FP8 replacement (``None`` if it stays)."""
     if isinstance(module, (nn.Linear, Conv1D)):
         record = _linear_record(name, module, recipe, context)
         if record.action == CONVERTED and convert:
-            return record, _to_fp8(module, recipe)
+            return record, _to_fp8(module, recipe, backend)
         if record.action == CONVERTED and not recipe.enabled:
             record = _replace_record(record, SKIPPED, "FP8 disabled by the recipe (enabled: false)")
         return record, None
-    norm = _norm_kind(module)
+    if te_backend.is_te_module(module):
+        return _record(name, module, "te", SKIPPED, _ALREADY_FP8, gemm_flops=0), None
+    norm = norm_kind(module)
     if norm is not None:
-        reason = "norm: not a GEMM; the native backend keeps norms in high precision"
+        if backend == "te" and convert and not any(_matches(name, p) for p in recipe.modules_to_not_convert):
+            new = te_backend.convert_norm(module, norm)
+            if new is not None:
+                return _record(name, module, norm, CONVERTED, f"te.{type(new).__name__}", gemm_flops=0), new
+            reason = "norm: Transformer Engine has no equivalent (a LayerNorm without bias); kept as it is"
+        elif backend == "te":
+            reason = "norm: kept in high precision"
+        else:
+            reason = "norm: not a GEMM; the native backend keeps norms in high precision"
         return _record(name, module, norm, KEPT, reason, gemm_flops=0), None
     weights = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
     if weights and not isinstance(module, nn.Embedding):
         return _other_weights_record(name, module, weights, context), None
     return None, None
+
+
+_ALREADY_FP8 = "already FP8 (patched before; unpatch_model first to change the recipe)"
 
 
 def _linear_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: _ModelContext) -> ModuleRecord:
@@ -197,7 +295,7 @@ def _linear_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: _Mo
         return _record(name, module, kind, action, reason, gemm_flops=flops)
 
     if isinstance(module, _Fp8Module):
-        return result(SKIPPED, "already FP8 (patched before; unpatch_model first to change the recipe)")
+        return result(SKIPPED, _ALREADY_FP8)
     if _is_adapter(name):
         return result(SKIPPED, "PEFT adapter weight: adapters train in high precision")
     pattern = next((p for p in recipe.modules_to_not_convert if _matches(name, p)), None)
@@ -270,7 +368,9 @@ def _matches(name: str, pattern: str) -> bool:
 # ---- module conversion ----------------------------------------------------------------------------
 
 
-def _to_fp8(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
+def _to_fp8(module: nn.Module, recipe: Fp8Recipe, backend: str) -> nn.Module:
+    if backend == "te":
+        return te_backend.convert_linear(module, recipe)
     if isinstance(module, Conv1D):
         return Fp8Conv1D.from_float(module, recipe)
     return Fp8Linear.from_float(module, recipe)
@@ -294,69 +394,44 @@ def _gemm_shape(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, recipe: Fp8Recipe) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(_BACKENDS)}")
+    if backend == "auto":
+        backend = "te" if te_backend.te_usable()[0] else "native"
     if backend == "te":
-        try:
-            import transformer_engine.pytorch  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                "backend='te' needs Transformer Engine: pip install 'hf-fp8[te]' on a machine with CUDA, or "
-                "use backend='native'"
-            ) from None
-        raise NotImplementedError("the Transformer Engine backend is not part of this release; use 'native'")
-    return "native"
+        te_backend.load_te()  # raises with the reason and the way out
+    elif recipe.scaling == "block":
+        raise ValueError("scaling 'block' (Float8BlockScaling) needs Transformer Engine: use backend='te'")
+    return backend
 
 
-# ---- norms ----------------------------------------------------------------------------------------
+def _skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device: its class and
+    configuration without its memory, to rebuild it on unpatch."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)
 
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+def _get_path(root: nn.Module, path: str) -> nn.Module | None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    return getattr(parent, attr, None)
 
 
-def _norm_kind(module: nn.Module) -> str | None:
-    """``layernorm``, ``rmsnorm`` or ``rmsnorm (1 + w)`` (Gemma), told apart by what the module computes.
-
-    Candidates are leaf modules with a 1-D ``weight`` and an epsilon attribute; a copy of the module is
-    run on a probe input (the module itself is never called, so meta-device models work too) and its
-    output compared with each formula.
-    """
-    weight = getattr(module, "weight", None)
-    eps = next((getattr(module, a) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
-    if isinstance(module, nn.LayerNorm):
-        return "layernorm"
-    if (
-        not isinstance(weight, torch.Tensor)
-        or weight.dim() != 1
-        or eps is None
-        or next(module.children(), None)
-    ):
-        return None
-    probe = copy.deepcopy(module).to_empty(device="cpu").float()
-    hidden = weight.shape[0]
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, hidden, generator=generator) * 3 + 1
-    with torch.no_grad():
-        probe.weight.copy_(torch.rand(hidden, generator=generator) + 0.5)
-        if getattr(probe, "bias", None) is not None:
-            probe.bias.zero_()
-        try:
-            y = probe(x)
-        except Exception:
-            return None
-        w = probe.weight
-        rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        centered = x - x.mean(-1, keepdim=True)
-        candidates = {
-            "rmsnorm": rms * w,
-            "rmsnorm (1 + w)": rms * (1 + w),
-            "layernorm": centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * w,
-        }
-    if not torch.is_tensor(y) or y.shape != x.shape:
-        return None
-    return next(
-        (kind for kind, ref in candidates.items() if torch.allclose(y, ref, rtol=1e-4, atol=1e-4)), None
-    )
+def _set_path(root: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    if module is None:
+        if hasattr(parent, attr):
+            delattr(parent, attr)
+    else:
+        setattr(parent, attr, module)
 
 
 # ---- forward hooks --------------------------------------------------------------------------------
@@ -365,7 +440,13 @@ def _norm_kind(module: nn.Module) -> str | None:
 def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _PatchState = getattr(model, _STATE_ATTR)
     recipe = state.recipe
-    if not fp8_active(model.training, recipe.use_during_eval):
+    active = fp8_active(model.training, recipe.use_during_eval)
+    if state.backend == "te":
+        # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
+        autocast = te_backend.autocast(recipe, enabled=active)
+        autocast.__enter__()
+        state.autocasts.append(autocast)
+    if not active:
         state.padded.append(PaddedLengths({}))
         return None
     if model.training and state.step_pending:
@@ -385,10 +466,12 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
     state: _PatchState = getattr(model, _STATE_ATTR)
+    if state.autocasts:
+        state.autocasts.pop().__exit__(None, None, None)
     lengths = state.padded.pop() if state.padded else PaddedLengths({})
     if model.training and torch.is_grad_enabled() and fp8_active(True, state.recipe.use_during_eval):
         state.step_pending = True
-    return unpad_outputs(outputs, lengths)
+    return unpad_outputs(outputs, lengths) if outputs is not None else outputs
 
 
 def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:

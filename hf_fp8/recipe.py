@@ -22,7 +22,7 @@ from hf_fp8.formats import E4M3, E5M2, Fp8Format
 __all__ = ["RECIPES", "Fp8Recipe"]
 
 _FORMATS = ("hybrid", "e4m3", "e5m2")
-_SCALINGS = ("delayed", "current")
+_SCALINGS = ("delayed", "current", "block")
 _AMAX_ALGOS = ("max", "most_recent")
 
 
@@ -33,8 +33,9 @@ class Fp8Recipe:
     Attributes:
         enabled: use FP8 at all; ``False`` keeps the model in its own precision (a BF16 baseline run).
         format: ``"hybrid"`` (E4M3 forward, E5M2 gradients), ``"e4m3"`` or ``"e5m2"`` everywhere.
-        scaling: ``"delayed"`` (scale from the amax history of earlier steps) or ``"current"`` (scale from
-            the tensor's own amax, computed just in time).
+        scaling: ``"delayed"`` (scale from the amax history of earlier steps), ``"current"`` (scale from
+            the tensor's own amax, computed just in time) or ``"block"`` (a scale per 1x128 / 128x128
+            block, Transformer Engine's ``Float8BlockScaling``; TE backend only).
         margin: scale = FP8_MAX / (amax * 2**margin); each step of margin halves the scale and buys one
             binade of headroom against overflow.
         amax_history_len: amaxes kept per tensor for delayed scaling.

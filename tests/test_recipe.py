@@ -44,7 +44,7 @@ def test_recipe_is_frozen_and_replace_validates():
     [
         ("enabled", False, "yes", "true or false"),
         ("format", "E4M3", "fp16", r"one of \['hybrid', 'e4m3', 'e5m2'\]"),
-        ("scaling", "current", "per-row", r"one of \['delayed', 'current'\]"),
+        ("scaling", "current", "per-row", r"one of \['delayed', 'current', 'block'\]"),
         ("margin", 2, -1, "integer >= 0"),
         ("margin", 1, 0.5, "integer >= 0"),
         ("amax_history_len", 16, 0, "integer >= 1"),

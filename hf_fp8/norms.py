@@ -1,0 +1,57 @@
+"""Recognising normalisation layers by what they compute, whatever their class is called."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["norm_kind"]
+
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+
+def norm_kind(module: nn.Module) -> str | None:
+    """``layernorm``, ``rmsnorm`` or ``rmsnorm (1 + w)`` (Gemma), told apart by what the module computes.
+
+    Candidates are leaf modules with a 1-D ``weight`` and an epsilon attribute; a copy of the module is
+    run on a probe input (the module itself is never called, so meta-device models work too) and its
+    output compared with each formula.
+    """
+    weight = getattr(module, "weight", None)
+    eps = next((getattr(module, a) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
+    if isinstance(module, nn.LayerNorm):
+        return "layernorm"
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 1
+        or eps is None
+        or next(module.children(), None)
+    ):
+        return None
+    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    hidden = weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, hidden, generator=generator) * 3 + 1
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(hidden, generator=generator) + 0.5)
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.zero_()
+        try:
+            y = probe(x)
+        except Exception:
+            return None
+        w = probe.weight
+        rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        centered = x - x.mean(-1, keepdim=True)
+        candidates = {
+            "rmsnorm": rms * w,
+            "rmsnorm (1 + w)": rms * (1 + w),
+            "layernorm": centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * w,
+        }
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        return None
+    return next(
+        (kind for kind, ref in candidates.items() if torch.allclose(y, ref, rtol=1e-4, atol=1e-4)), None
+    )
