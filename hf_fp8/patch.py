@@ -61,6 +61,8 @@ class _PatchState:
     # A training forward ran in FP8 since the last scale update.
     step_pending: bool = False
     padded: list[PaddedLengths] = field(default_factory=list)
+    # TE backend: the recipe object handed to te.autocast, and the autocasts entered by _before_forward.
+    te_recipe: Any = None
     autocasts: list[Any] = field(default_factory=list)
 
 
@@ -91,9 +93,9 @@ def patch_model(
         return _walk(model, state.recipe, state.backend, convert=False)
     if not recipe.enabled:
         return _walk(model, recipe, backend, convert=False)
-    if backend == "te":
-        te_backend.to_te_recipe(recipe)  # refuse what TE cannot do before touching the model
     state = _PatchState(recipe=recipe, backend=backend, report=PatchReport(backend, recipe, 0))
+    if backend == "te":  # also refuses what TE cannot do, before the model is touched
+        state.te_recipe = te_backend.to_te_recipe(recipe)
     state.report = _walk(model, recipe, backend, convert=True, fuse=fuse, state=state)
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
@@ -443,13 +445,13 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     active = fp8_active(model.training, recipe.use_during_eval)
     if state.backend == "te":
         # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
-        autocast = te_backend.autocast(recipe, enabled=active)
+        autocast = te_backend.autocast(state.te_recipe, enabled=active)
         autocast.__enter__()
         state.autocasts.append(autocast)
     if not active:
         state.padded.append(PaddedLengths({}))
         return None
-    if model.training and state.step_pending:
+    if model.training and state.step_pending and state.backend == "native":  # TE updates its own
         update_fp8_scales(model)
         state.step_pending = False
     batch = _as_kwargs(model, args, kwargs)

@@ -68,6 +68,13 @@ class _Fp8Module(nn.Module):
         self.register_buffer("scale", torch.zeros(len(_ROLES), device=device), persistent=False)
         self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
 
+    def _adopt(self, source: nn.Module) -> None:
+        """Take over ``source``'s weight and bias (the same Parameter objects) and its mode."""
+        self.weight = source.weight
+        self.bias = source.bias
+        self.train(source.training)
+        self._reset_fp8_state()
+
     @property
     def fp8_enabled(self) -> bool:
         """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
@@ -125,10 +132,7 @@ class Fp8Linear(_Fp8Module, nn.Linear):
         weights stay valid)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new.train(linear.training)
-        new._reset_fp8_state()
+        new._adopt(linear)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,10 +158,7 @@ class Fp8Conv1D(_Fp8Module, Conv1D):
         """An ``Fp8Conv1D`` sharing ``conv``'s parameters."""
         with torch.device("meta"):
             new = cls(conv.nf, conv.nx, recipe=recipe)
-        new.weight = conv.weight
-        new.bias = conv.bias
-        new.train(conv.training)
-        new._reset_fp8_state()
+        new._adopt(conv)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

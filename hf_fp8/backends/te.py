@@ -465,7 +465,7 @@ def _map_fused_keys(
     return [layer.register_state_dict_post_hook(save), layer.register_load_state_dict_pre_hook(load)]
 
 
-def autocast(recipe: Fp8Recipe, enabled: bool, group: Any = None):
+def autocast(te_recipe: Any, enabled: bool, group: Any = None):
     """``te.autocast`` for one forward of the whole model (the backward runs outside it)."""
     te = load_te()
-    return te.autocast(enabled=enabled, recipe=to_te_recipe(recipe), amax_reduction_group=group)
+    return te.autocast(enabled=enabled, recipe=te_recipe, amax_reduction_group=group)
