@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "E4M3",
     "E5M2",
+    "FP8_ALIGNMENT",
     "Fp8Format",
     "cast_to_fp8",
     "cast_to_representable",
@@ -38,6 +39,9 @@ class Fp8Format:
     def __repr__(self) -> str:
         return f"Fp8Format({self.name})"
 
+
+# FP8 GEMMs (cuBLASLt, Transformer Engine) need their dimensions to be multiples of this.
+FP8_ALIGNMENT = 16
 
 E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0)
 E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0)

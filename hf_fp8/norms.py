@@ -7,9 +7,14 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["norm_kind"]
+__all__ = ["norm_eps", "norm_kind"]
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+
+
+def norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of a norm module, whatever its attribute is called; ``None`` when it has none."""
+    return next((getattr(module, a) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
 
 
 def norm_kind(module: nn.Module) -> str | None:
@@ -20,7 +25,7 @@ def norm_kind(module: nn.Module) -> str | None:
     output compared with each formula.
     """
     weight = getattr(module, "weight", None)
-    eps = next((getattr(module, a) for a in _EPS_ATTRS if isinstance(getattr(module, a, None), float)), None)
+    eps = norm_eps(module)
     if isinstance(module, nn.LayerNorm):
         return "layernorm"
     if (

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hf_fp8.formats import FP8_ALIGNMENT
+
 __all__ = ["Fp8PaddingCollator", "pad_batch"]
 
 IGNORE_INDEX = -100
@@ -56,13 +58,15 @@ def pad_batch(
     multiple: int,
     pad_token_id: int,
     encoder_decoder: bool = False,
-    create_attention_mask: bool = True,
 ) -> tuple[dict[str, Any], PaddedLengths]:
     """Right-pad every sequence tensor of ``batch`` so its token dimension is a multiple of ``multiple``.
 
     ``input_ids`` get ``pad_token_id``, masks and token types 0, labels ``-100``, position ids continue
-    counting. Without an ``attention_mask`` one is created (ones for the real tokens) so the new
-    positions are masked. Returns the new batch and the lengths before and after, per stream.
+    counting. A batch with neither ``attention_mask`` nor ``position_ids`` gets a mask (ones for the
+    real tokens), so the new positions are masked for bidirectional models too. A batch with position
+    ids and no mask is left without one: it may be packed (position ids restarting per sequence), which
+    HF detects only when no mask is given; causal models never attend to the padding at the end.
+    Returns the new batch and the lengths before and after, per stream.
     """
     out = dict(batch)
     streams: dict[str, tuple[int, int]] = {}
@@ -81,12 +85,8 @@ def pad_batch(
         if padded != length:
             out[key] = _pad_tensor(value, padded - length, fill, pad_token_id)
     main = streams.get("main")
-    if (
-        create_attention_mask
-        and main is not None
-        and main[0] != main[1]
-        and batch.get("attention_mask") is None
-    ):
+    unmasked = batch.get("attention_mask") is None and batch.get("position_ids") is None
+    if unmasked and main is not None and main[0] != main[1]:
         reference = batch.get("input_ids", batch.get("inputs_embeds"))
         mask = torch.ones(reference.shape[:2], dtype=torch.long, device=reference.device)
         out["attention_mask"] = _pad_tensor(mask, main[1] - main[0], _FILL_ZERO, pad_token_id)
@@ -160,14 +160,14 @@ class Fp8PaddingCollator:
         self,
         collator: Callable[[list[Any]], Mapping[str, Any]] | None = None,
         pad_token_id: int = 0,
-        multiple: int = 16,
+        multiple: int = FP8_ALIGNMENT,
         encoder_decoder: bool = False,
     ) -> None:
         if collator is None:
             from transformers import default_data_collator
 
             collator = default_data_collator
-        if multiple < 1 or multiple % 16:
+        if multiple < 1 or multiple % FP8_ALIGNMENT:
             raise ValueError(f"multiple must be a positive multiple of 16 for FP8 GEMMs, got {multiple}")
         self.collator = collator
         self.pad_token_id = pad_token_id

@@ -24,6 +24,7 @@ import copy
 import fnmatch
 import inspect
 import itertools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
 from hf_fp8.backends import te as te_backend
-from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, update_fp8_scales
+from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, advance_fp8_step
+from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.norms import norm_kind
 from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
 from hf_fp8.recipe import Fp8Recipe
@@ -54,16 +56,35 @@ class _PatchState:
 
     recipe: Fp8Recipe
     backend: str
-    report: PatchReport
+    report: PatchReport | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
-    # TE backend: (dotted path, meta-device copy of the module that stood there), to unpatch.
-    originals: list[tuple[str, nn.Module | None]] = field(default_factory=list)
+    # Native backend: its FP8 layers, whose scales each training step updates.
+    fp8_modules: list[nn.Module] = field(default_factory=list)
+    # TE backend: what stood where a module was replaced, to unpatch (see _Original).
+    originals: list[_Original] = field(default_factory=list)
+    # TE backend: the recipe object handed to te.autocast.
+    te_recipe: Any = None
     # A training forward ran in FP8 since the last scale update.
     step_pending: bool = False
-    padded: list[PaddedLengths] = field(default_factory=list)
-    # TE backend: the recipe object handed to te.autocast, and the autocasts entered by _before_forward.
-    te_recipe: Any = None
-    autocasts: list[Any] = field(default_factory=list)
+    # One entry per forward in flight: its padding, whether FP8 ran, the te.autocast it entered.
+    calls: list[_Call] = field(default_factory=list)
+
+
+@dataclass
+class _Original:
+    """A replaced module, kept as a meta-device copy (its class and configuration, no memory), with the
+    names of the parameters its replacement shares (the same objects, handed back on unpatch)."""
+
+    path: str
+    skeleton: nn.Module | None
+    shared: tuple[str, ...] = ()
+
+
+@dataclass
+class _Call:
+    padded: PaddedLengths
+    fp8: bool
+    autocast: Any = None
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -87,16 +108,22 @@ def patch_model(
     On any error the model is restored to what it was and the error names the module.
     """
     recipe = recipe or Fp8Recipe()
-    backend = _resolve_backend(backend, recipe)
     if is_patched(model):
         state: _PatchState = getattr(model, _STATE_ATTR)
         return _walk(model, state.recipe, state.backend, convert=False)
     if not recipe.enabled:
-        return _walk(model, recipe, backend, convert=False)
-    state = _PatchState(recipe=recipe, backend=backend, report=PatchReport(backend, recipe, 0))
+        return _walk(model, recipe, "none", convert=False)
+    backend = _resolve_backend(backend, recipe)
+    state = _PatchState(recipe=recipe, backend=backend)
     if backend == "te":  # also refuses what TE cannot do, before the model is touched
         state.te_recipe = te_backend.to_te_recipe(recipe)
     state.report = _walk(model, recipe, backend, convert=True, fuse=fuse, state=state)
+    if backend == "native":
+        state.fp8_modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+        if recipe.fp8_weights:
+            note = "fp8_weights: the native backend does not store weights in FP8 yet; they keep their dtype"
+            warnings.warn(f"hf_fp8: {note}", stacklevel=2)
+            state.report.notes.append(note)
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
         state.handles += te_backend.install_state_dict_hooks(model)
@@ -110,14 +137,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     they were stored in FP8), no hooks. Native layers give back their very parameters."""
     state: _PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is not None and state.backend == "te":
-        state_dict = model.state_dict()  # HF keys and layouts, through the TE backend's hooks
-        device = next(itertools.chain(model.parameters(), [torch.empty(0)])).device
-        for handle in state.handles:
-            handle.remove()
-        for path, original in reversed(state.originals):
-            _set_path(model, path, original.to_empty(device=device) if original is not None else None)
-        model.load_state_dict(state_dict, strict=False)
-        delattr(model, _STATE_ATTR)
+        _unpatch_te(model, state)
         return model
     replaced: dict[int, nn.Module] = {}
     for parent, child_name, _, module in _children(model):
@@ -130,6 +150,30 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             handle.remove()
         delattr(model, _STATE_ATTR)
     return model
+
+
+def _unpatch_te(model: nn.Module, state: _PatchState) -> None:
+    """Put the original modules back, each on its replacement's device, with the weights in HF's keys
+    and layouts (through the TE backend's hooks). Shared parameters are handed back as they are."""
+    state_dict = model.state_dict()
+    for handle in state.handles:
+        handle.remove()
+    restored: dict[int, nn.Module] = {}
+    for original in reversed(state.originals):
+        current = _get_path(model, original.path)
+        if original.skeleton is None:
+            _set_path(model, original.path, None)
+            continue
+        module = restored.get(id(original.skeleton))
+        if module is None:
+            device = next(itertools.chain(current.parameters(), current.buffers()), torch.empty(0)).device
+            module = original.skeleton.to_empty(device=device)
+            for name in original.shared:
+                setattr(module, name, getattr(current, name))
+            restored[id(original.skeleton)] = module
+        _set_path(model, original.path, module)
+    model.load_state_dict(state_dict, strict=True)  # every restored weight must come back
+    delattr(model, _STATE_ATTR)
 
 
 # ---- the walk -------------------------------------------------------------------------------------
@@ -187,7 +231,19 @@ def _walk(
             "unchanged"
         ) from err
     if state is not None:
-        state.originals = [(path, _skeleton(m) if m is not None else None) for path, m in journal]
+        skeletons: dict[int, nn.Module] = {}
+        for path, original in journal:
+            if original is None:
+                state.originals.append(_Original(path, None))
+                continue
+            current = _get_path(model, path)
+            shared = tuple(
+                name
+                for name, p in original.named_parameters(recurse=False)
+                if getattr(current, name, None) is p
+            )
+            skeleton = skeletons.setdefault(id(original), _skeleton(original))
+            state.originals.append(_Original(path, skeleton, shared))
     return report
 
 
@@ -273,7 +329,7 @@ def _decide(
             new = te_backend.convert_norm(module, norm)
             if new is not None:
                 return _record(name, module, norm, CONVERTED, f"te.{type(new).__name__}", gemm_flops=0), new
-            reason = "norm: Transformer Engine has no equivalent (a LayerNorm without bias); kept as it is"
+            reason = "norm: no Transformer Engine equivalent (no affine weight, or no bias); kept as it is"
         elif backend == "te":
             reason = "norm: kept in high precision"
         else:
@@ -298,6 +354,8 @@ def _linear_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: _Mo
 
     if isinstance(module, _Fp8Module):
         return result(SKIPPED, _ALREADY_FP8)
+    if type(module) not in (nn.Linear, Conv1D):
+        return result(SKIPPED, f"subclass of {_base_name(module)} with its own behaviour: not converted")
     if _is_adapter(name):
         return result(SKIPPED, "PEFT adapter weight: adapters train in high precision")
     pattern = next((p for p in recipe.modules_to_not_convert if _matches(name, p)), None)
@@ -312,11 +370,14 @@ def _linear_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: _Mo
             return result(SKIPPED, "output head (set convert_lm_head: true to convert)")
     if _is_router(name, out_features, context):
         return result(SKIPPED, f"MoE router ({out_features} outputs): routing stays in high precision")
-    if in_features % 16 or out_features % 16:
-        return result(
-            SKIPPED, f"in_features={in_features}, out_features={out_features}: FP8 GEMMs need multiples of 16"
-        )
+    if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
+        dims = f"in_features={in_features}, out_features={out_features}"
+        return result(SKIPPED, f"{dims}: FP8 GEMMs need multiples of {FP8_ALIGNMENT}")
     return result(CONVERTED)
+
+
+def _base_name(module: nn.Module) -> str:
+    return "Conv1D" if isinstance(module, Conv1D) else "nn.Linear"
 
 
 def _other_weights_record(
@@ -439,52 +500,62 @@ def _set_path(root: nn.Module, path: str, module: nn.Module | None) -> None:
 # ---- forward hooks --------------------------------------------------------------------------------
 
 
+# Inputs of incremental decoding (generate()): padding would put pad tokens where the next token's
+# logits are read, and into the KV cache.
+_DECODING_INPUTS = ("past_key_values", "cache_position", "logits_to_keep")
+
+
 def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _PatchState = getattr(model, _STATE_ATTR)
     recipe = state.recipe
-    active = fp8_active(model.training, recipe.use_during_eval)
+    call = _Call(PaddedLengths({}), fp8=fp8_active(model.training, recipe.use_during_eval))
+    state.calls.append(call)
     if state.backend == "te":
+        if call.fp8 and model.training and getattr(model, "is_gradient_checkpointing", False):
+            raise RuntimeError(
+                "hf_fp8: gradient checkpointing with the Transformer Engine backend would recompute layers "
+                "outside te.autocast, in another precision; disable it or use backend='native'"
+            )
         # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
-        autocast = te_backend.autocast(state.te_recipe, enabled=active)
-        autocast.__enter__()
-        state.autocasts.append(autocast)
-    if not active:
-        state.padded.append(PaddedLengths({}))
+        call.autocast = te_backend.autocast(state.te_recipe, enabled=call.fp8)
+        call.autocast.__enter__()
+    if not call.fp8:
         return None
     if model.training and state.step_pending and state.backend == "native":  # TE updates its own
-        update_fp8_scales(model)
+        for module in state.fp8_modules:
+            advance_fp8_step(module)
         state.step_pending = False
     batch = _as_kwargs(model, args, kwargs)
     config = getattr(model, "config", None)
-    batch, lengths = pad_batch(
-        batch,
-        recipe.pad_to_multiple,
-        _pad_token_id(config),
-        encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-    )
-    state.padded.append(lengths)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if batch is None or any(batch.get(k) is not None for k in _DECODING_INPUTS):
+        return None
+    if encoder_decoder and not batch.get("return_dict", getattr(config, "use_return_dict", True)):
+        return None  # tuple outputs of two streams cannot be told apart to slice them back
+    batch, call.padded = pad_batch(batch, recipe.pad_to_multiple, _pad_token_id(config), encoder_decoder)
     return (), batch
 
 
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
     state: _PatchState = getattr(model, _STATE_ATTR)
-    if state.autocasts:
-        state.autocasts.pop().__exit__(None, None, None)
-    lengths = state.padded.pop() if state.padded else PaddedLengths({})
-    if model.training and torch.is_grad_enabled() and fp8_active(True, state.recipe.use_during_eval):
+    call = state.calls.pop()
+    if call.autocast is not None:
+        call.autocast.__exit__(None, None, None)
+    if call.fp8 and model.training and torch.is_grad_enabled():
         state.step_pending = True
-    return unpad_outputs(outputs, lengths) if outputs is not None else outputs
+    return unpad_outputs(outputs, call.padded) if outputs is not None else outputs
 
 
-def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Positional arguments of the model's forward turned into keywords, so they can be padded."""
+def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """Positional arguments of the model's forward turned into keywords, so they can be padded;
+    ``None`` when the forward takes ``*args`` (positions cannot be named then)."""
     if not args:
         return dict(kwargs)
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
-    merged = dict(bound.arguments)
-    for name, param in inspect.signature(model.forward).parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD and name in merged:
-            merged.update(merged.pop(name))
+    parameters = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values()):
+        return None
+    merged = dict(zip(parameters, args, strict=False))
+    merged.update(kwargs)
     return merged
 
 

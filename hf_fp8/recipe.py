@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hf_fp8.formats import E4M3, E5M2, Fp8Format
+from hf_fp8.formats import E4M3, E5M2, FP8_ALIGNMENT, Fp8Format
 
 __all__ = ["RECIPES", "Fp8Recipe"]
 
@@ -219,7 +219,7 @@ def _expect_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 def _validate_pad(name: str, value: Any) -> int:
     value = _expect_int(name, value, 1)
-    if value % 16:
+    if value % FP8_ALIGNMENT:
         raise ValueError(
             f"recipe key {name!r} must be a multiple of 16 (FP8 GEMMs need dimensions divisible by 16), "
             f"got {value}"

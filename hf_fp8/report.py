@@ -38,6 +38,8 @@ class PatchReport:
     recipe: Fp8Recipe
     total_params: int
     records: list[ModuleRecord] = field(default_factory=list)
+    # Things that hold for the whole model, such as a recipe option this backend does not carry out.
+    notes: list[str] = field(default_factory=list)
 
     def _select(self, action: str) -> list[ModuleRecord]:
         return [r for r in self.records if r.action == action]
@@ -55,15 +57,20 @@ class PatchReport:
         return self._select(KEPT)
 
     @property
+    def converted_gemms(self) -> list[ModuleRecord]:
+        """Converted GEMM layers (linear, Conv1D), without the norms a backend may also convert."""
+        return [r for r in self.converted if r.gemm_flops > 0]
+
+    @property
     def fp8_param_share(self) -> float:
         """Share of the model's parameters that FP8 GEMMs read."""
-        return sum(r.params for r in self.converted) / max(self.total_params, 1)
+        return sum(r.params for r in self.converted_gemms) / max(self.total_params, 1)
 
     @property
     def fp8_flop_share(self) -> float:
         """Share of the multiply-adds of all GEMM layers (linear, Conv1D, MoE experts) that run in FP8."""
         total = sum(r.gemm_flops for r in self.records)
-        return sum(r.gemm_flops for r in self.converted) / max(total, 1)
+        return sum(r.gemm_flops for r in self.converted_gemms) / max(total, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,8 +80,10 @@ class PatchReport:
             "fp8_param_share": self.fp8_param_share,
             "fp8_flop_share": self.fp8_flop_share,
             "converted": len(self.converted),
+            "converted_gemms": len(self.converted_gemms),
             "skipped": len(self.skipped),
             "kept": len(self.kept),
+            "notes": list(self.notes),
             "modules": [asdict(r) for r in self.records],
         }
 
@@ -84,11 +93,12 @@ class PatchReport:
         lines = [
             f"hf-fp8 patch report (backend {self.backend}; recipe: {r.format}, {r.scaling} scaling, "
             f"margin {r.margin})",
-            f"  FP8 GEMM layers: {len(self.converted)} of {len(gemms)}, "
+            f"  FP8 GEMM layers: {len(self.converted_gemms)} of {len(gemms)}, "
             f"{self.fp8_flop_share:.1%} of GEMM FLOPs, {self.fp8_param_share:.1%} of parameters",
         ]
         if not r.enabled:
             lines.append("  FP8 is disabled by the recipe (enabled: false): nothing was converted")
+        lines += [f"  note: {note}" for note in self.notes]
         for action in (CONVERTED, SKIPPED, KEPT):
             groups = Counter((_pattern(x.name), x.class_name, x.reason) for x in self._select(action))
             if not groups:

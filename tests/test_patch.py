@@ -141,18 +141,44 @@ def test_on_the_fly_padding_equals_collator_padding(arch):
     assert torch.allclose(out_a.logits, out_b.logits[:, : out_a.logits.shape[1]], atol=1e-6)
 
 
+def inner_inputs(model):
+    """The keyword inputs the decoder stack of a patched causal LM receives, call by call."""
+    calls = []
+    model.model.register_forward_pre_hook(lambda m, a, k: calls.append(dict(k)), with_kwargs=True)
+    return calls
+
+
 def test_on_the_fly_padding_fills_each_input_as_documented():
     model = tm.build("llama")
     patch_model(model)
-    seen = {}
-    model.model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    calls = inner_inputs(model)
     ids = torch.randint(4, 256, (2, 13))
-    positions = torch.arange(13).expand(2, 13) + 5
-    out = model(ids, labels=ids, position_ids=positions)
+    out = model(ids, labels=ids)
+    seen = calls[-1]
     assert seen["input_ids"].shape == (2, 16) and (seen["input_ids"][:, 13:] == 0).all()
     assert (seen["attention_mask"][:, :13] == 1).all() and (seen["attention_mask"][:, 13:] == 0).all()
-    assert seen["position_ids"][0, 13:].tolist() == [18, 19, 20]
     assert out.logits.shape == (2, 13, 256)
+    # With position ids and no mask (maybe a packed batch), positions continue and no mask is made.
+    positions = torch.arange(13).expand(2, 13) + 5
+    model(ids, labels=ids, position_ids=positions)
+    assert calls[-1]["position_ids"][0, 13:].tolist() == [18, 19, 20]
+    assert calls[-1].get("attention_mask") is None
+
+
+def test_packed_sequences_stay_apart_after_padding():
+    """Two sequences packed in one row (position ids restart, no mask): HF keeps them apart only while
+    no mask is given, so padding must not add one."""
+    model = tm.build("llama").eval()
+    ids = torch.randint(4, 256, (1, 13))
+    positions = torch.cat([torch.arange(6), torch.arange(7)]).unsqueeze(0)
+    padded, _ = pad_batch({"input_ids": ids, "position_ids": positions}, 16, 0)
+    assert "attention_mask" not in padded
+    with torch.no_grad():  # no KV cache, as in training: HF looks for packing only then
+        plain = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        aligned = model(**padded, use_cache=False).logits[:, :13]
+        single = model(input_ids=ids[:, 6:], use_cache=False).logits
+    assert torch.allclose(plain, aligned, atol=1e-5)
+    assert torch.allclose(aligned[:, 6:], single, atol=1e-5), "the second sequence must not see the first"
 
 
 def test_pad_token_outside_a_small_vocabulary_is_not_used():
@@ -164,16 +190,99 @@ def test_pad_token_outside_a_small_vocabulary_is_not_used():
     model(**tm.batch_for("gpt2", 13)).loss.backward()
 
 
+def test_a_failing_forward_leaves_no_state_behind():
+    model = tm.build("llama")
+    patch_model(model)
+    ids = torch.randint(4, 256, (2, 13))
+    with pytest.raises(ValueError):
+        model(input_ids=ids, labels=ids[:, :5])  # labels of the wrong length
+    assert model._hf_fp8_state.calls == []
+    model(input_ids=ids, labels=ids).loss.backward()  # and the next one works
+
+
 def test_eval_mode_runs_high_precision_without_padding():
     model = tm.build("llama")
     reference = copy.deepcopy(model).eval()
     patch_model(model)
     model.eval()
+    calls = inner_inputs(model)
     batch = tm.batch_for("llama", 13)
     with ScaledMmCalls() as mm, torch.no_grad():
         out = model(**batch)
-    assert mm.calls == []
+    assert mm.calls == [] and calls[-1]["input_ids"].shape == (2, 13)
     assert torch.equal(out.logits, reference(**batch).logits)
+
+
+def test_generation_with_fp8_in_eval_is_not_padded():
+    """generate() reads the last position's logits and keeps a KV cache: no pad tokens may go in."""
+    model = tm.build("llama")
+    patch_model(model, Fp8Recipe(use_during_eval=True))
+    model.eval()
+    calls = inner_inputs(model)
+    prompt = torch.randint(4, 256, (1, 13))
+    with ScaledMmCalls() as mm:
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 17) and len(mm.calls) > 0
+    assert [c["input_ids"].shape[1] for c in calls] == [13, 1, 1, 1]
+
+
+def test_encoder_decoder_tuple_outputs_keep_their_lengths():
+    model = tm.build("t5")
+    reference = copy.deepcopy(model)
+    patch_model(model)
+    batch = tm.batch_for("t5", 13)
+    out, ref = model(**batch, return_dict=False), reference(**batch, return_dict=False)
+    assert [tuple(t.shape) for t in out if torch.is_tensor(t)] == [
+        tuple(t.shape) for t in ref if torch.is_tensor(t)
+    ]
+
+
+def test_forward_taking_star_args_runs_unpadded():
+    """A wrapper whose forward takes *args (PeftModel's does) cannot have its inputs named and padded."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    wrapper = Wrapper(tm.build("llama"))
+    patch_model(wrapper)
+    ids = torch.randint(4, 256, (2, 13))
+    out = wrapper(ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.shape == (2, 13, 256)
+
+
+def test_linear_subclasses_are_not_converted():
+    """A subclass may compute something else (bitsandbytes' Linear4bit, MultiheadAttention's
+    out_proj, which never runs its own forward): converting it would change the model."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(Scaled(32, 32), nn.MultiheadAttention(32, 4), nn.Linear(32, 32))
+    report = patch_model(model)
+    assert type(model[0]) is Scaled and type(model[2]) is Fp8Linear
+    reasons = {r.name: r.reason for r in report.skipped}
+    assert reasons["0"].startswith("subclass of nn.Linear") and reasons["1.out_proj"].startswith("subclass")
+
+
+def test_fp8_weights_on_the_native_backend_is_reported_not_silent():
+    with pytest.warns(UserWarning, match="does not store weights in FP8 yet"):
+        report = patch_model(tm.build("llama"), Fp8Recipe(fp8_weights=True), backend="native")
+    assert any("fp8_weights" in note for note in report.notes) and "note: fp8_weights" in str(report)
+
+
+def test_calls_that_change_nothing_do_not_check_the_backend():
+    model = tm.build("llama")
+    report = patch_model(model, Fp8Recipe(enabled=False), backend="te")  # no TE needed to do nothing
+    assert report.converted == []
+    patch_model(model)
+    assert patch_model(model, Fp8Recipe(scaling="block")).converted == []
 
 
 def test_use_during_eval_runs_fp8_in_eval():

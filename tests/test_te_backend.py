@@ -87,8 +87,9 @@ def test_every_architecture_trains_under_te_like_bf16(arch):
     reference = tm.build(arch).cuda()
     model = copy.deepcopy(reference)
     report = patch_model(model, backend="te")
-    assert report.backend == "te" and len(report.converted) >= EXPECTED[arch][0]
-    assert not any(r.kind == "te" for r in report.skipped)
+    assert report.backend == "te" and len(report.converted_gemms) == EXPECTED[arch][0]
+    norms = sum(EXPECTED[arch][2].values())
+    assert len(report.converted) + len(report.kept) == EXPECTED[arch][0] + norms
     fp8_losses, ref_losses = train_steps(model, arch), train_steps(reference, arch)
     for fp8, ref in zip(fp8_losses, ref_losses, strict=True):
         assert abs(fp8 - ref) <= 0.02 * abs(ref), (fp8_losses, ref_losses)
@@ -104,7 +105,10 @@ def test_llama_blocks_are_fused_and_agree_with_the_unfused_patch():
     fused_reasons = [r.reason for r in fused_report.converted]
     assert sum("LayerNormLinear" in r for r in fused_reasons) == 2 * 4  # norm + q, k, v per layer
     assert sum("LayerNormMLP" in r for r in fused_reasons) == 2 * 4  # norm + gate, up, down per layer
-    assert not any("LayerNorm" in r.reason for r in unfused_report.converted if r.kind == "linear")
+    assert not any("fused" in r.reason for r in unfused_report.records)
+    assert len(unfused_report.converted_gemms) == len(fused_report.converted_gemms) == 14
+    assert type(fused.model.layers[0].mlp).__name__ == "LayerNormMLP"
+    assert type(unfused.model.layers[0].mlp.up_proj).__name__ == "TeLinear"
     batch = {k: v.cuda() for k, v in tm.batch_for("llama", 32).items()}
     out_f, out_u = fused(**batch), unfused(**batch)
     out_f.loss.backward()
@@ -143,12 +147,41 @@ def test_checkpoints_round_trip_between_te_and_plain_models(tmp_path, arch, fuse
 
 @gpu
 @needs_te
+def test_fusion_keeps_what_trains_and_what_is_frozen():
+    model = tm.build("qwen2").cuda().bfloat16()  # q/k/v with biases
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers.0.mlp" in name or "layers.1" in name)
+    model.model.layers[1].self_attn.k_proj.weight.requires_grad_(False)  # q/k/v now disagree: not fused
+    report = patch_model(model, backend="te")
+    fused = {r.name.split(".")[2] for r in report.converted if "fused" in r.reason}
+    assert fused == {"0"}, "layer 1 has q/k/v that disagree about training and stays unfused"
+    layer = model.model.layers[0]
+    qkv = layer.self_attn.qkv_fused.fused
+    assert not qkv.weight.requires_grad and not qkv.bias.requires_grad
+    assert layer.mlp.fc1_weight.requires_grad and layer.mlp.fc2_weight.requires_grad
+
+
+@gpu
+@needs_te
+def test_gradient_checkpointing_is_refused_with_te():
+    model = tm.build("llama").cuda()
+    model.gradient_checkpointing_enable()
+    patch_model(model, backend="te")
+    with pytest.raises(RuntimeError, match=r"gradient checkpointing.*backend='native'"):
+        model(**{k: v.cuda() for k, v in tm.batch_for("llama", 32).items()})
+    assert not model._hf_fp8_state.calls, "the failed forward left no state behind"
+
+
+@gpu
+@needs_te
 @pytest.mark.parametrize("fuse", [True, False])
 def test_unpatch_gives_back_the_plain_model(fuse):
     base = tm.build("llama").cuda().bfloat16()
     model = copy.deepcopy(base)
+    o_proj = model.model.layers[0].self_attn.o_proj.weight
     patch_model(model, backend="te", fuse=fuse)
     unpatch_model(model)
+    assert model.model.layers[0].self_attn.o_proj.weight is o_proj, "shared parameters come back as they are"
     assert [type(m) for m in model.modules()] == [type(m) for m in base.modules()]
     for (key, value), (key_b, value_b) in zip(
         model.state_dict().items(), base.state_dict().items(), strict=True

@@ -31,7 +31,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
-from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Conv1D", "Fp8Linear", "update_fp8_scales"]
@@ -39,9 +39,6 @@ __all__ = ["Fp8Conv1D", "Fp8Linear", "update_fp8_scales"]
 # Rows of ``amax_history`` and entries of ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 _ROLES = ("input", "weight", "grad_output")
-
-# FP8 GEMMs need the contraction dimension to be a multiple of this.
-_GEMM_ALIGN = 16
 
 
 class _GemmConfig(NamedTuple):
@@ -181,10 +178,12 @@ def update_fp8_scales(model: nn.Module) -> None:
     """
     for module in model.modules():
         if isinstance(module, _Fp8Module):
-            _advance_step(module)
+            advance_fp8_step(module)
 
 
-def _advance_step(module: _Fp8Module) -> None:
+@torch.no_grad()
+def advance_fp8_step(module: _Fp8Module) -> None:
+    """:func:`update_fp8_scales` for one FP8 layer."""
     recipe, history, scale = module.recipe, module.amax_history, module.scale
     if recipe.scaling == "delayed":
         amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0]
@@ -259,8 +258,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, which must be a multiple of 16: pad with zero rows.
-            dy_t = _pad_rows(dy_fp8, _GEMM_ALIGN).t().contiguous()
-            x_col_major = _pad_rows(x_fp8, _GEMM_ALIGN).t().contiguous().t()
+            dy_t = _pad_rows(dy_fp8, FP8_ALIGNMENT).t().contiguous()
+            x_col_major = _pad_rows(x_fp8, FP8_ALIGNMENT).t().contiguous().t()
             grad_w = _fp8_mm(dy_t, x_col_major, dy_scale, x_scale, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
@@ -335,7 +334,8 @@ def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_gemm_shape(in_features: int, out_features: int) -> None:
-    bad = {name: n for name, n in (("in_features", in_features), ("out_features", out_features)) if n % 16}
+    dims = (("in_features", in_features), ("out_features", out_features))
+    bad = {name: n for name, n in dims if n % FP8_ALIGNMENT}
     if bad:
         detail = ", ".join(f"{k}={v}" for k, v in bad.items())
         raise ValueError(

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.formats import compute_scale
-from hf_fp8.norms import norm_kind
+from hf_fp8.formats import FP8_ALIGNMENT, compute_scale
+from hf_fp8.norms import norm_eps, norm_kind
 from hf_fp8.recipe import Fp8Recipe
 
 _INSTALL_HINT = (
@@ -104,16 +104,17 @@ def to_te_recipe(recipe: Fp8Recipe):
 
 def is_te_module(module: nn.Module) -> bool:
     """Whether ``module`` is already a Transformer Engine module (or one of our fused wrappers)."""
-    if isinstance(module, (_FusedAttentionInput, _QkvSlice, _FusedMlp)):
+    if isinstance(module, (_FusedAttentionInput, _QkvSlice)):
         return True
     return getattr(module, "_hf_fp8_te", False) or type(module).__module__.startswith("transformer_engine.")
 
 
 @contextlib.contextmanager
-def _init_context(recipe: Fp8Recipe):
-    """Where TE modules are built: under ``quantized_model_init`` when weights are stored in FP8."""
+def _init_context(recipe: Fp8Recipe, frozen: bool):
+    """Where TE modules are built: under ``quantized_model_init`` when their weights are frozen and
+    the recipe stores frozen weights in FP8 (weights that train keep their precision)."""
     te = load_te()
-    if recipe.fp8_weights:
+    if recipe.fp8_weights and frozen:
         with te.quantized_model_init(enabled=True, recipe=to_te_recipe(recipe)):
             yield
     else:
@@ -130,9 +131,11 @@ def _assign(param: nn.Parameter, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
-def _drop_transpose_if_frozen(param: nn.Parameter) -> None:
-    """A frozen FP8 weight keeps only its row-major copy (1 byte a value); TE stores a transposed copy
-    too, for the backward GEMMs of weights that train, which would bring storage back to 2 bytes."""
+def _take_over(param: nn.Parameter, value: torch.Tensor, source: nn.Parameter) -> None:
+    """``_assign`` plus ``source``'s ``requires_grad``. A frozen FP8 weight keeps only its row-major copy
+    (1 byte a value): TE also stores a transposed copy, needed by the GEMMs of weights that train."""
+    _assign(param, value)
+    param.requires_grad_(source.requires_grad)
     if not param.requires_grad and hasattr(param, "update_usage"):
         param.update_usage(rowwise_usage=True, columnwise_usage=False)
 
@@ -144,7 +147,8 @@ def convert_linear(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
     else:
         weight, in_features, out_features = module.weight, module.in_features, module.out_features
     bias = module.bias
-    with _init_context(recipe):
+    frozen = not module.weight.requires_grad
+    with _init_context(recipe, frozen):
         new = _te_linear_class()(
             in_features,
             out_features,
@@ -152,16 +156,13 @@ def convert_linear(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
             params_dtype=weight.dtype,
             device=weight.device,
         )
-    if not recipe.fp8_weights and not isinstance(module, Conv1D):
-        new.weight = module.weight  # share: tied weights and optimizer references stay valid
+    if (recipe.fp8_weights and frozen) or isinstance(module, Conv1D):
+        _take_over(new.weight, weight, module.weight)
     else:
-        _assign(new.weight, weight)
-        new.weight.requires_grad_(module.weight.requires_grad)
-        _drop_transpose_if_frozen(new.weight)
+        new.weight = module.weight  # share: tied weights and optimizer references stay valid
     if bias is not None:
         new.bias = bias
-    if isinstance(module, Conv1D):
-        _transpose_on_save_and_load(new, "weight")
+    _keep_hf_layout(new, transposed=isinstance(module, Conv1D))
     new.train(module.training)
     return new
 
@@ -180,7 +181,7 @@ def _te_linear_class() -> type:
 
         def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any):
             rows = inp.numel() // inp.shape[-1]
-            extra = -rows % 16
+            extra = -rows % FP8_ALIGNMENT
             if extra == 0 or not _fp8_on():
                 return super().forward(inp, *args, **kwargs)
             flat = torch.nn.functional.pad(inp.reshape(rows, inp.shape[-1]), (0, 0, 0, extra))
@@ -202,8 +203,7 @@ def convert_norm(module: nn.Module, kind: str) -> nn.Module | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter):
         return None
-    eps = _norm_eps(module)
-    common = dict(eps=eps, device=weight.device, dtype=weight.dtype)
+    common = dict(eps=norm_eps(module), device=weight.device, dtype=weight.dtype)
     if kind == "layernorm":
         if getattr(module, "bias", None) is None:
             return None
@@ -214,14 +214,6 @@ def convert_norm(module: nn.Module, kind: str) -> nn.Module | None:
         new.weight = module.weight
     new.train(module.training)
     return new
-
-
-def _norm_eps(module: nn.Module) -> float:
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(module, attr, None)
-        if isinstance(value, float):
-            return value
-    raise ValueError(f"{type(module).__name__} has no eps attribute")
 
 
 # ---- state dict hygiene -----------------------------------------------------------------------------
@@ -248,17 +240,19 @@ def install_state_dict_hooks(model: nn.Module) -> list:
     ]
 
 
-def _transpose_on_save_and_load(module: nn.Module, name: str) -> None:
-    """Conv1D stores (in, out); te.Linear (out, in). Checkpoints keep the Conv1D layout."""
+def _keep_hf_layout(module: nn.Module, transposed: bool) -> None:
+    """Checkpoints of a TE linear hold what the HF layer held: a dequantized weight (FP8 storage is an
+    in-memory matter), transposed back to (in, out) for a Conv1D, whose layout TE does not have."""
 
     def save(mod, state_dict, prefix, local_metadata):
-        key = prefix + name
+        key = prefix + "weight"
         if key in state_dict:
-            state_dict[key] = _dequantized(state_dict[key]).t().contiguous()
+            weight = _dequantized(state_dict[key])
+            state_dict[key] = weight.t().contiguous() if transposed else weight
 
     def load(mod, state_dict, prefix, *args):
-        key = prefix + name
-        if key in state_dict:  # checkpoints always hold the Conv1D layout, square weights too
+        key = prefix + "weight"
+        if transposed and key in state_dict:  # checkpoints always hold the Conv1D layout, square ones too
             state_dict[key] = state_dict[key].t().contiguous()
 
     module.register_state_dict_post_hook(save)
@@ -308,31 +302,26 @@ class _QkvSlice(nn.Module):
         return self.owner.part(x, self.index)
 
 
-class _FusedMlp(nn.Module):
-    """Post-attention RMSNorm + gate/up/down with SwiGLU as one ``te.LayerNormMLP``."""
-
-    def __init__(self, fused: nn.Module) -> None:
-        super().__init__()
-        self.fused = fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)
-
-
 def fusable(layer: nn.Module) -> bool:
     """A Llama-family decoder block (Llama, Mistral, Qwen2/3): RMSNorm -> q/k/v, RMSNorm -> SwiGLU MLP,
-    every GEMM dimension a multiple of 16, no MLP biases."""
+    plain ``nn.Linear`` projections with dimensions that are multiples of 16, no MLP biases, and q/k/v
+    (and gate/up) either all training or all frozen, since each group becomes one weight."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False
-    projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    qkv = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    gate_up = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    projections = [*qkv, getattr(attn, "o_proj", None), *gate_up, getattr(mlp, "down_proj", None)]
     if not all(type(p) is nn.Linear for p in projections):
         return False
-    if not all(p.in_features % 16 == 0 and p.out_features % 16 == 0 for p in projections):
+    if any(p.in_features % FP8_ALIGNMENT or p.out_features % FP8_ALIGNMENT for p in projections):
         return False
-    if any(p.bias is not None for p in projections[4:]):
+    if any(p.bias is not None for p in [*gate_up, mlp.down_proj]) or len({p.bias is None for p in qkv}) > 1:
         return False
+    for group in (qkv, gate_up):
+        flags = {t.requires_grad for p in group for t in (p.weight, p.bias) if t is not None}
+        if len(flags) > 1:
+            return False
     act = getattr(mlp, "act_fn", None)
     if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
         return False
@@ -340,132 +329,112 @@ def fusable(layer: nn.Module) -> bool:
     return all(n is not None and norm_kind(n) == "rmsnorm" for n in norms)
 
 
-def fuse_block(layer: nn.Module, recipe: Fp8Recipe) -> tuple[list[tuple[str, nn.Module | None]], list]:
+def fuse_block(layer: nn.Module, recipe: Fp8Recipe) -> tuple[list[tuple[str, nn.Module]], list]:
     """Fused TE modules for a :func:`fusable` block, without touching it.
 
-    Returns ``(replacements, hooks)``: ``replacements`` are (path in ``layer``, new module) pairs for the
-    caller to set (``None`` never occurs; ``self_attn.qkv_fused`` is a new attribute), ``hooks`` the
-    handles of the state-dict hooks registered on ``layer`` that keep HF's keys.
+    Returns ``(replacements, hooks)``: (path in ``layer``, new module) pairs for the caller to set
+    (``self_attn.qkv_fused`` is a new attribute), and the handles of the state-dict hooks registered on
+    ``layer`` that keep HF's keys.
     """
     te = load_te()
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     sizes = (q.out_features, k.out_features, v.out_features)
-    dtype, device = q.weight.dtype, q.weight.device
-    qkv_bias = q.bias is not None
-    with _init_context(recipe):
+    common = dict(normalization="RMSNorm", params_dtype=q.weight.dtype, device=q.weight.device)
+    mlp_frozen = not any(p.weight.requires_grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    with _init_context(recipe, frozen=not q.weight.requires_grad):
         qkv = te.LayerNormLinear(
-            q.in_features,
-            sum(sizes),
-            eps=_norm_eps(norm1),
-            bias=qkv_bias,
-            normalization="RMSNorm",
-            params_dtype=dtype,
-            device=device,
+            q.in_features, sum(sizes), eps=norm_eps(norm1), bias=q.bias is not None, **common
         )
+    with _init_context(recipe, frozen=mlp_frozen):
         fused_mlp = te.LayerNormMLP(
             q.in_features,
             mlp.gate_proj.out_features,
-            eps=_norm_eps(norm2),
+            eps=norm_eps(norm2),
             bias=False,
-            normalization="RMSNorm",
             activation="swiglu",
-            params_dtype=dtype,
-            device=device,
+            **common,
         )
-    with torch.no_grad():
-        qkv.layer_norm_weight.copy_(norm1.weight)
-        _assign(qkv.weight, torch.cat([q.weight, k.weight, v.weight]))
-        if qkv_bias:
-            qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        fused_mlp.layer_norm_weight.copy_(norm2.weight)
-        _assign(fused_mlp.fc1_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        _assign(fused_mlp.fc2_weight, mlp.down_proj.weight)
-    for param, source in (
-        (qkv.layer_norm_weight, norm1.weight),
-        (qkv.weight, q.weight),
-        (fused_mlp.layer_norm_weight, norm2.weight),
-        (fused_mlp.fc1_weight, mlp.gate_proj.weight),
-        (fused_mlp.fc2_weight, mlp.down_proj.weight),
-    ):
-        param.requires_grad_(source.requires_grad)
-        _drop_transpose_if_frozen(param)
+    _take_over(qkv.layer_norm_weight, norm1.weight, norm1.weight)
+    _take_over(qkv.weight, torch.cat([q.weight, k.weight, v.weight]), q.weight)
+    if q.bias is not None:
+        _take_over(qkv.bias, torch.cat([q.bias, k.bias, v.bias]), q.bias)
+    _take_over(fused_mlp.layer_norm_weight, norm2.weight, norm2.weight)
+    _take_over(
+        fused_mlp.fc1_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.gate_proj.weight
+    )
+    _take_over(fused_mlp.fc2_weight, mlp.down_proj.weight, mlp.down_proj.weight)
     qkv.train(layer.training)
     fused_mlp.train(layer.training)
 
     owner = _FusedAttentionInput(qkv, sizes)
-    replacements: list[tuple[str, nn.Module | None]] = [
+    replacements: list[tuple[str, nn.Module]] = [
         ("self_attn.qkv_fused", owner),
         ("self_attn.q_proj", _QkvSlice(owner, 0)),
         ("self_attn.k_proj", _QkvSlice(owner, 1)),
         ("self_attn.v_proj", _QkvSlice(owner, 2)),
         ("input_layernorm", nn.Identity()),
         ("post_attention_layernorm", nn.Identity()),
-        ("mlp", _FusedMlp(fused_mlp)),
+        ("mlp", fused_mlp),
     ]
-    return replacements, _map_fused_keys(layer, owner, fused_mlp, sizes, qkv_bias)
+    return replacements, _map_fused_keys(layer, {"self_attn.qkv_fused.fused.": qkv, "mlp.": fused_mlp}, sizes)
 
 
-def _map_fused_keys(
-    layer: nn.Module,
-    owner: _FusedAttentionInput,
-    fused_mlp: nn.Module,
-    sizes: tuple[int, int, int],
-    qkv_bias: bool,
-) -> list:
-    """State-dict hooks on a fused block that translate between HF keys and the fused modules' keys."""
-    qkv_prefix, mlp_prefix = "self_attn.qkv_fused.fused.", "mlp.fused."
+def _map_fused_keys(layer: nn.Module, fused: dict[str, nn.Module], sizes: tuple[int, int, int]) -> list:
+    """State-dict hooks on a fused block that translate between HF keys and the fused modules' keys.
+
+    ``fused`` maps each fused module's key prefix inside the block to the module.
+    """
+    qkv_prefix, mlp_prefix = fused
     renamed = {
         qkv_prefix + "layer_norm_weight": "input_layernorm.weight",
         mlp_prefix + "layer_norm_weight": "post_attention_layernorm.weight",
         mlp_prefix + "fc2_weight": "mlp.down_proj.weight",
     }
+    qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     split = {
-        qkv_prefix + "weight": (
-            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-            sizes,
-        ),
-        mlp_prefix + "fc1_weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), None),
+        qkv_prefix + "weight": ([f"{n}.weight" for n in qkv_names], sizes),
+        qkv_prefix + "bias": ([f"{n}.bias" for n in qkv_names], sizes),
+        mlp_prefix + "fc1_weight": (["mlp.gate_proj.weight", "mlp.up_proj.weight"], None),
     }
-    if qkv_bias:
-        split[qkv_prefix + "bias"] = (
-            ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-            sizes,
-        )
-    internal = {qkv_prefix: owner.fused, mlp_prefix: fused_mlp}
+    # Every entry the fused modules put in a state dict (their parameters, buffers, extra state).
+    own = {
+        prefix + name: tensor
+        for prefix, module in fused.items()
+        for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers())
+    }
 
     def save(module, state_dict, prefix, local_metadata):
-        for fused, hf in renamed.items():
-            if prefix + fused in state_dict:
-                state_dict[prefix + hf] = _dequantized(state_dict.pop(prefix + fused))
-        for fused, (hf_names, part_sizes) in split.items():
-            if prefix + fused in state_dict:
-                full = _dequantized(state_dict.pop(prefix + fused))
+        hf_entries = {}
+        for key, hf in renamed.items():
+            if prefix + key in state_dict:
+                hf_entries[hf] = _dequantized(state_dict[prefix + key])
+        for key, (hf_names, part_sizes) in split.items():
+            tensor = state_dict.get(prefix + key)
+            if tensor is not None and tensor.numel():
+                full = _dequantized(tensor)
                 parts = full.split(list(part_sizes)) if part_sizes else full.chunk(2)
-                for hf, part in zip(hf_names, parts, strict=True):
-                    state_dict[prefix + hf] = part.clone()
-        # Whatever else the TE modules hold (empty biases, extra state) is theirs, not the checkpoint's.
-        for key in [k for k in state_dict if any(k.startswith(prefix + p) for p in internal)]:
-            del state_dict[key]
+                hf_entries.update({hf: part.clone() for hf, part in zip(hf_names, parts, strict=True)})
+        for key in [*own, *(p + "_extra_state" for p in fused)]:
+            state_dict.pop(prefix + key, None)
+        state_dict.update({prefix + hf: tensor for hf, tensor in hf_entries.items()})
 
     def load(module, state_dict, prefix, *args):
-        for fused, hf in renamed.items():
+        for key, hf in renamed.items():
             if prefix + hf in state_dict:
-                state_dict[prefix + fused] = state_dict.pop(prefix + hf)
-        for fused, (hf_names, _) in split.items():
+                state_dict[prefix + key] = state_dict.pop(prefix + hf)
+        for key, (hf_names, _) in split.items():
             if all(prefix + n in state_dict for n in hf_names):
-                state_dict[prefix + fused] = torch.cat([state_dict.pop(prefix + n) for n in hf_names])
-        for internal_prefix, fused_module in internal.items():  # TE-only entries load as they are
-            for name, tensor in itertools.chain(
-                fused_module.named_parameters(), fused_module.named_buffers()
-            ):
-                state_dict.setdefault(prefix + internal_prefix + name, tensor.detach())
+                state_dict[prefix + key] = torch.cat([state_dict.pop(prefix + n) for n in hf_names])
+        for key, tensor in own.items():  # TE-only entries (empty biases) load as they are
+            state_dict.setdefault(prefix + key, tensor.detach())
 
     return [layer.register_state_dict_post_hook(save), layer.register_load_state_dict_pre_hook(load)]
 
 
-def autocast(te_recipe: Any, enabled: bool, group: Any = None):
+def autocast(te_recipe: Any, enabled: bool):
     """``te.autocast`` for one forward of the whole model (the backward runs outside it)."""
-    te = load_te()
-    return te.autocast(enabled=enabled, recipe=te_recipe, amax_reduction_group=group)
+    import transformer_engine.pytorch as te
+
+    return te.autocast(enabled=enabled, recipe=te_recipe)
