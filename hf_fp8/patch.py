@@ -78,6 +78,7 @@ class _Original:
     path: str
     skeleton: nn.Module | None
     shared: tuple[str, ...] = ()
+    device: torch.device | None = None
 
 
 @dataclass
@@ -102,7 +103,7 @@ def patch_model(
             ``from_pretrained``, before its optimizer is created.
         recipe: how FP8 is used; :class:`Fp8Recipe` defaults when ``None``.
         backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine, FP8 GPUs) or
-            ``"auto"`` (TE when it imports and the GPU supports FP8, else native).
+            ``"auto"`` (TE for a model on a GPU that supports FP8 when TE imports, else native).
         fuse: with TE, fuse Llama-family decoder blocks (norm + q/k/v, norm + SwiGLU MLP).
 
     On any error the model is restored to what it was and the error names the module.
@@ -113,7 +114,7 @@ def patch_model(
         return _walk(model, state.recipe, state.backend, convert=False)
     if not recipe.enabled:
         return _walk(model, recipe, "none", convert=False)
-    backend = _resolve_backend(backend, recipe)
+    backend = _resolve_backend(backend, recipe, model)
     state = _PatchState(recipe=recipe, backend=backend)
     if backend == "te":  # also refuses what TE cannot do, before the model is touched
         state.te_recipe = te_backend.to_te_recipe(recipe)
@@ -166,8 +167,7 @@ def _unpatch_te(model: nn.Module, state: _PatchState) -> None:
             continue
         module = restored.get(id(original.skeleton))
         if module is None:
-            device = next(itertools.chain(current.parameters(), current.buffers()), torch.empty(0)).device
-            module = original.skeleton.to_empty(device=device)
+            module = original.skeleton.to_empty(device=original.device)
             for name in original.shared:
                 setattr(module, name, getattr(current, name))
             restored[id(original.skeleton)] = module
@@ -243,7 +243,8 @@ def _walk(
                 if getattr(current, name, None) is p
             )
             skeleton = skeletons.setdefault(id(original), _skeleton(original))
-            state.originals.append(_Original(path, skeleton, shared))
+            device = next(itertools.chain(original.parameters(), original.buffers()), torch.empty(0)).device
+            state.originals.append(_Original(path, skeleton, shared, device))
     return report
 
 
@@ -457,11 +458,12 @@ def _gemm_shape(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
-def _resolve_backend(backend: str, recipe: Fp8Recipe) -> str:
+def _resolve_backend(backend: str, recipe: Fp8Recipe, model: nn.Module) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(_BACKENDS)}")
-    if backend == "auto":
-        backend = "te" if te_backend.te_usable()[0] else "native"
+    if backend == "auto":  # TE for a model on an FP8 GPU with TE installed, else native
+        on_cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
+        backend = "te" if on_cuda and te_backend.te_usable()[0] else "native"
     if backend == "te":
         te_backend.load_te()  # raises with the reason and the way out
     elif recipe.scaling == "block":
