@@ -4,7 +4,8 @@ from hf_fp8.autocast import fp8_autocast
 from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, update_fp8_scales
 from hf_fp8.formats import E4M3, E5M2, cast_to_representable
 from hf_fp8.padding import Fp8PaddingCollator
-from hf_fp8.patch import is_patched, patch_model, unpatch_model
+from hf_fp8.patch import is_patched, patch_model, plan_patch, unpatch_model
+from hf_fp8.prepare import prepare_fp8
 from hf_fp8.recipe import RECIPES, Fp8Recipe
 from hf_fp8.report import PatchReport
 
@@ -23,6 +24,8 @@ __all__ = [
     "fp8_autocast",
     "is_patched",
     "patch_model",
+    "plan_patch",
+    "prepare_fp8",
     "unpatch_model",
     "update_fp8_scales",
 ]

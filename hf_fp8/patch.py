@@ -36,13 +36,14 @@ from transformers.pytorch_utils import Conv1D
 from hf_fp8.autocast import fp8_active
 from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, advance_fp8_step
+from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.norms import norm_kind
 from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 
-__all__ = ["is_patched", "patch_model", "unpatch_model"]
+__all__ = ["is_patched", "patch_model", "plan_patch", "unpatch_model"]
 
 _STATE_ATTR = "_hf_fp8_state"
 _BACKENDS = ("auto", "native", "te")
@@ -64,6 +65,8 @@ class _PatchState:
     originals: list[_Original] = field(default_factory=list)
     # TE backend: the recipe object handed to te.autocast.
     te_recipe: Any = None
+    # Data-parallel group whose ranks share amaxes; None: the world group when distributed.
+    amax_group: Any = None
     # A training forward ran in FP8 since the last scale update.
     step_pending: bool = False
     # One entry per forward in flight: its padding, whether FP8 ran, the te.autocast it entered.
@@ -94,33 +97,41 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patch_model(
-    model: nn.Module, recipe: Fp8Recipe | None = None, backend: str = "auto", fuse: bool = True
+    model: nn.Module,
+    recipe: Fp8Recipe | None = None,
+    backend: str = "auto",
+    fuse: bool = True,
+    amax_group: Any = None,
 ) -> PatchReport:
     """Convert ``model`` to FP8 in place and return the report of what was converted.
 
     Args:
         model: any HF Transformers model (or plain ``nn.Module``), typically fresh from
             ``from_pretrained``, before its optimizer is created.
-        recipe: how FP8 is used; :class:`Fp8Recipe` defaults when ``None``.
+        recipe: how FP8 is used. ``None``: the recipe in ``HF_FP8_RECIPE`` (set by ``hf-fp8 launch``)
+            when that variable is set, else :class:`Fp8Recipe` defaults.
         backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine, FP8 GPUs) or
             ``"auto"`` (TE for a model on a GPU that supports FP8 when TE imports, else native).
         fuse: with TE, fuse Llama-family decoder blocks (norm + q/k/v, norm + SwiGLU MLP).
+        amax_group: the data-parallel process group over which amaxes are reduced (one all-reduce a
+            step); ``None`` uses the world group whenever ``torch.distributed`` is initialised.
 
     On any error the model is restored to what it was and the error names the module.
     """
-    recipe = recipe or Fp8Recipe()
+    recipe = recipe or Fp8Recipe.from_launcher()
     if is_patched(model):
         state: _PatchState = getattr(model, _STATE_ATTR)
         return _walk(model, state.recipe, state.backend, convert=False)
     if not recipe.enabled:
         return _walk(model, recipe, "none", convert=False)
     backend = _resolve_backend(backend, recipe, model)
-    state = _PatchState(recipe=recipe, backend=backend)
+    state = _PatchState(recipe=recipe, backend=backend, amax_group=amax_group)
     if backend == "te":  # also refuses what TE cannot do, before the model is touched
         state.te_recipe = te_backend.to_te_recipe(recipe)
     state.report = _walk(model, recipe, backend, convert=True, fuse=fuse, state=state)
     if backend == "native":
         state.fp8_modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+        _keep_fp8_state_out_of_ddp_broadcast(model)
         if recipe.fp8_weights:
             note = "fp8_weights: the native backend does not store weights in FP8 yet; they keep their dtype"
             warnings.warn(f"hf_fp8: {note}", stacklevel=2)
@@ -131,6 +142,12 @@ def patch_model(
     state.handles.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
     state.handles.append(model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
     return state.report
+
+
+def plan_patch(model: nn.Module, recipe: Fp8Recipe | None = None) -> PatchReport:
+    """What :func:`patch_model` with the native backend would convert and skip, without touching the
+    model (which may live on the meta device, as ``hf-fp8 inspect`` builds it)."""
+    return _walk(model, recipe or Fp8Recipe.from_launcher(), "native", convert=False)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -458,6 +475,21 @@ def _gemm_shape(module: nn.Module) -> tuple[int, int]:
     return module.in_features, module.out_features
 
 
+def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:
+    """DDP copies rank 0's buffers to every rank before each forward. The FP8 layers' amax histories
+    are buffers that must keep each rank's own newest amaxes until they are reduced together, so they
+    are put on DDP's ignore list (its extension point for this; the model is not wrapped yet)."""
+    fp8_buffers = [
+        name
+        for name, buffer in model.named_buffers()
+        if name.rsplit(".", 1)[-1] in ("amax_history", "scale", "fp8_steps")
+    ]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ignored + [n for n in fp8_buffers if n not in ignored]
+    )
+
+
 def _resolve_backend(backend: str, recipe: Fp8Recipe, model: nn.Module) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(_BACKENDS)}")
@@ -519,11 +551,13 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
                 "outside te.autocast, in another precision; disable it or use backend='native'"
             )
         # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
-        call.autocast = te_backend.autocast(state.te_recipe, enabled=call.fp8)
+        group = state.amax_group or default_amax_group()
+        call.autocast = te_backend.autocast(state.te_recipe, enabled=call.fp8, group=group)
         call.autocast.__enter__()
     if not call.fp8:
         return None
     if model.training and state.step_pending and state.backend == "native":  # TE updates its own
+        sync_amaxes(state.fp8_modules, state.amax_group or default_amax_group())
         for module in state.fp8_modules:
             advance_fp8_step(module)
         state.step_pending = False

@@ -19,7 +19,10 @@ import yaml
 
 from hf_fp8.formats import E4M3, E5M2, FP8_ALIGNMENT, Fp8Format
 
-__all__ = ["RECIPES", "Fp8Recipe"]
+__all__ = ["LAUNCHER_ENV", "RECIPES", "Fp8Recipe"]
+
+# Where `hf-fp8 launch` puts the recipe (as YAML text) for the processes it starts.
+LAUNCHER_ENV = "HF_FP8_RECIPE"
 
 _FORMATS = ("hybrid", "e4m3", "e5m2")
 _SCALINGS = ("delayed", "current", "block")
@@ -184,6 +187,30 @@ class Fp8Recipe:
             return dataclasses.replace(base or cls(), **changes)
         except ValueError as err:
             raise ValueError(f"from ACCELERATE_FP8_* environment: {err}") from None
+
+    @classmethod
+    def load(cls, spec: str) -> Fp8Recipe:
+        """A recipe from a name in :data:`RECIPES` or the path of a YAML file."""
+        if spec in RECIPES:
+            return RECIPES[spec]
+        if not Path(spec).is_file():
+            raise ValueError(
+                f"recipe {spec!r} is neither a named recipe ({', '.join(sorted(RECIPES))}) nor a YAML file"
+            )
+        return cls.from_yaml(spec)
+
+    @classmethod
+    def from_launcher(cls, environ: Mapping[str, str] | None = None) -> Fp8Recipe:
+        """The recipe ``hf-fp8 launch`` hands to its processes in ``HF_FP8_RECIPE`` (YAML text), or the
+        defaults when the variable is not set."""
+        environ = os.environ if environ is None else environ
+        text = environ.get(LAUNCHER_ENV)
+        if not text:
+            return cls()
+        try:
+            return cls.from_dict(yaml.safe_load(text) or {})
+        except (yaml.YAMLError, ValueError) as err:
+            raise ValueError(f"{LAUNCHER_ENV} does not hold a valid recipe: {err}") from None
 
     @classmethod
     def named(cls, name: str) -> Fp8Recipe:

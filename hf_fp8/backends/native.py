@@ -26,11 +26,13 @@ import warnings
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
+from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
@@ -168,17 +170,20 @@ class Fp8Conv1D(_Fp8Module, Conv1D):
 
 
 @torch.no_grad()
-def update_fp8_scales(model: nn.Module) -> None:
+def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """End an FP8 training step for every :class:`Fp8Linear` in ``model``.
 
-    For delayed scaling, each role's new scale is computed from its amax history (``max`` over it, or
-    its ``most_recent`` entry, which is the step just finished) every ``interval`` steps; then the
-    histories roll so slot 0 is free for the next step. ``patch_model`` calls this at the start of each
-    training forward; call it yourself once per step when you use ``Fp8Linear`` without it.
+    The step's amaxes are first reduced over ``group`` (default: the world group when distributed),
+    in one all-reduce. Then, for delayed scaling, each role's new scale is computed from its amax
+    history (``max`` over it, or its ``most_recent`` entry, which is the step just finished) every
+    ``interval`` steps, and the histories roll so slot 0 is free for the next step. ``patch_model``
+    does this at the start of each training forward; call it yourself once per step when you use
+    ``Fp8Linear`` without it.
     """
-    for module in model.modules():
-        if isinstance(module, _Fp8Module):
-            advance_fp8_step(module)
+    modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    sync_amaxes(modules, group or default_amax_group())
+    for module in modules:
+        advance_fp8_step(module)
 
 
 @torch.no_grad()

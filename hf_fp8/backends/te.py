@@ -433,8 +433,9 @@ def _map_fused_keys(layer: nn.Module, fused: dict[str, nn.Module], sizes: tuple[
     return [layer.register_state_dict_post_hook(save), layer.register_load_state_dict_pre_hook(load)]
 
 
-def autocast(te_recipe: Any, enabled: bool):
-    """``te.autocast`` for one forward of the whole model (the backward runs outside it)."""
+def autocast(te_recipe: Any, enabled: bool, group: Any = None):
+    """``te.autocast`` for one forward of the whole model (the backward runs outside it); ``group`` is
+    the data-parallel group whose ranks reduce their amaxes together."""
     import transformer_engine.pytorch as te
 
-    return te.autocast(enabled=enabled, recipe=te_recipe)
+    return te.autocast(enabled=enabled, recipe=te_recipe, amax_reduction_group=group)

@@ -1,0 +1,74 @@
+"""One rank of a data-parallel FP8 training run, for tests/test_distributed.py.
+
+    torchrun --nproc_per_node N tests/dist_worker.py OUT_DIR      (or: hf-fp8 launch ... this file)
+
+Trains a tiny Llama for a few steps under DDP (gloo) with each rank on its own slice of one global
+batch, and writes what the test checks to OUT_DIR/rank<R>.json: per step the loss, this rank's own
+amaxes of the step, the amax history and scales every rank should share, and how many all-reduces
+hf-fp8 issued. With one process it trains on the whole global batch: the single-process reference.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_models as tm
+
+from hf_fp8 import patch_model
+
+STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
+
+
+def main(out_dir: str) -> None:
+    if "RANK" not in os.environ:  # started as one plain process (hf-fp8 launch --cpu): a group of one
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533")
+        )
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tm.build("llama")
+    report = patch_model(model)  # recipe: HF_FP8_RECIPE from the launcher, or the defaults
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    layer = model.model.layers[0].mlp.down_proj
+
+    calls = {"all_reduce": 0}
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):  # DDP's gradient buckets go through C++, not here
+        calls["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    per_rank = GLOBAL_BATCH // world
+    records = []
+    for step in range(STEPS):
+        ids = tm.batch_for("llama", LENGTH, batch_size=GLOBAL_BATCH, seed=100 + step)["input_ids"]
+        ids = ids * torch.arange(1, GLOBAL_BATCH + 1)[:, None] % 256  # rows unlike each other
+        ids = ids[rank * per_rank : (rank + 1) * per_rank]  # each rank its own rows
+        before = calls["all_reduce"]
+        loss = trained(input_ids=ids, labels=ids).loss
+        shared = {"history": layer.amax_history[:, 1:4].tolist(), "scale": layer.scale.tolist()}
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append(
+            {
+                "step": step,
+                "loss": loss.item(),
+                "own_amax": layer.amax_history[:, 0].tolist(),  # this step's, not reduced yet
+                "all_reduce_calls": calls["all_reduce"] - before,
+                **shared,
+            }
+        )
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"world": world, "recipe": report.recipe.to_dict(), "steps": records}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

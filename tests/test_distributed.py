@@ -1,0 +1,118 @@
+"""Amax synchronisation across ranks, checked with real processes (gloo), started as users start them:
+torchrun for two ranks, ``hf-fp8 launch`` for the single-process reference."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_models as tm
+import torch
+
+from hf_fp8 import patch_model
+from hf_fp8.distributed import sync_amaxes
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+HF_FP8 = Path(sys.executable).with_name("hf-fp8")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], env_port: int | None = None) -> None:
+    env = None
+    if env_port is not None:
+        import os
+
+        env = {**os.environ, "PORT": str(env_port)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two ranks under torchrun and one process under hf-fp8 launch, same global batches."""
+    two, one, conservative = (tmp_path_factory.mktemp(n) for n in ("two", "one", "conservative"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    run([*torchrun, "--master_port", str(free_port()), str(WORKER), str(two)])
+    run([str(HF_FP8), "launch", "--cpu", "--recipe", "hybrid-delayed", str(WORKER), str(one)], free_port())
+    run(
+        [str(HF_FP8), "launch", "--cpu", "--recipe", "conservative", str(WORKER), str(conservative)],
+        free_port(),
+    )
+
+    def load(folder, rank):
+        return json.loads((folder / f"rank{rank}.json").read_text())
+
+    return {
+        "ranks": [load(two, 0), load(two, 1)],
+        "single": load(one, 0),
+        "conservative": load(conservative, 0),
+    }
+
+
+def test_ranks_see_different_amaxes_and_share_their_maximum(runs):
+    rank0, rank1 = (r["steps"] for r in runs["ranks"])
+    assert all(r["world"] == 2 for r in runs["ranks"])
+    for step in range(1, len(rank0)):
+        own0, own1 = rank0[step - 1]["own_amax"], rank1[step - 1]["own_amax"]
+        assert own0 != own1, "the ranks trained on different rows"
+        # After the step boundary both ranks hold the same history and scales...
+        assert rank0[step]["history"] == rank1[step]["history"]
+        assert rank0[step]["scale"] == rank1[step]["scale"]
+        # ...and the newest entry (previous step) is the maximum over the ranks, per role.
+        newest = [row[0] for row in rank0[step]["history"]]
+        assert newest == [max(a, b) for a, b in zip(own0, own1, strict=True)]
+
+
+def test_one_all_reduce_per_step(runs):
+    for rank in runs["ranks"]:
+        calls = [s["all_reduce_calls"] for s in rank["steps"]]
+        assert calls == [0] + [1] * (len(calls) - 1), "none before the first step ends, then one a step"
+    assert all(s["all_reduce_calls"] == 0 for s in runs["single"]["steps"]), (
+        "a single process reduces nothing"
+    )
+
+
+def test_loss_matches_a_single_process_on_the_same_global_batch(runs):
+    """Same global batch, same scales from step 1 on (the global amax is the single process's amax):
+    the ranks' mean loss follows the single-process loss within FP8 rounding."""
+    rank0, rank1 = (r["steps"] for r in runs["ranks"])
+    for r0, r1, single in zip(rank0, rank1, runs["single"]["steps"], strict=True):
+        assert abs((r0["loss"] + r1["loss"]) / 2 - single["loss"]) < 2e-3 * single["loss"]
+
+
+def test_launcher_hands_the_recipe_to_the_processes(runs):
+    assert runs["conservative"]["recipe"]["margin"] == 1
+    assert runs["single"]["recipe"]["margin"] == 0
+
+
+def test_sync_without_a_group_is_a_no_op():
+    model = tm.build("llama")
+    patch_model(model)
+    model(**tm.batch_for("llama", 16)).loss.backward()
+    modules = model._hf_fp8_state.fp8_modules
+    before = [m.amax_history.clone() for m in modules]
+    sync_amaxes(modules, None)
+    assert all(torch.equal(a, m.amax_history) for a, m in zip(before, modules, strict=True))
+
+
+def test_gradient_accumulation_advances_histories_once_per_micro_batch():
+    """The rule: a step is a training forward. With N micro-batches per optimizer step the histories
+    advance N times, each micro-batch's amaxes an entry of its own, as with TE's autocast."""
+    model = tm.build("llama")
+    patch_model(model)
+    layer = model.model.layers[0].mlp.down_proj
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # two optimizer steps of three micro-batches
+        for micro in range(3):
+            (model(**tm.batch_for("llama", 16, seed=micro)).loss / 3).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert layer.fp8_steps.item() == 5  # six forwards; the last step ends at the next forward
+    assert (layer.amax_history[:, 1:6] > 0).all() and (layer.amax_history[:, 6] == 0).all()
