@@ -5,7 +5,8 @@
 Each rank trains the same Llama-shaped model (hf-fp8 native backend) on its own batch of 4 x 2048
 tokens. Every step the script checks, outside the timed region, that all ranks hold the same amax
 history and scales, that the newest history entry is the maximum of the ranks' own amaxes, and that
-hf-fp8 issued exactly one all-reduce. Rank 0 prints one JSON line with tokens/s over all GPUs.
+hf-fp8 issued exactly one all-reduce (none with one GPU). Rank 0 prints one JSON line with tokens/s
+over all GPUs and the problems found (an empty list when the synchronisation held).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if step > 0:
             expected = previous_own.clone()
             all_reduce(expected, op=dist.ReduceOp.MAX)
-            if issued != 1:
+            if issued != (1 if world > 1 else 0):  # one process has no one to share amaxes with
                 problems.append(f"step {step}: {issued} all-reduces")
             if not all(torch.equal(g, gathered[0]) for g in gathered):
                 problems.append(f"step {step}: ranks disagree on history/scales")
