@@ -45,27 +45,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _launch(argv: list[str]) -> int:
     """``accelerate launch`` with an FP8 recipe: every accelerate option passes through untouched; the
-    recipe reaches the processes in ``HF_FP8_RECIPE``, which ``patch_model()`` (and the Trainer
-    callback) read when given no recipe. Non-FP8 ops run in bf16; accelerate's own FP8 stays off."""
+    recipe reaches the processes in ``HF_FP8_RECIPE``, which ``patch_model()`` reads when given no
+    recipe. Non-FP8 ops run in bf16; accelerate's own FP8 stays off."""
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hf_fp8.recipe import LAUNCHER_ENV
 
-    recipe_spec, argv = _take_option(argv, "--recipe")
-    if recipe_spec is None:
-        raise CliError(
-            "launch needs --recipe NAME_OR_YAML (a named recipe such as hybrid-delayed, or a file)"
-        )
-    recipe = _load_recipe(recipe_spec)
-
     parser = launch_command_parser()
+    # Added to accelerate's own parser: its options are checked as accelerate checks them, and
+    # everything after the script is the script's, a --recipe there included.
+    parser.add_argument("--recipe", required=True, help="a named recipe (hybrid-delayed, ...) or a YAML file")
 
     def refuse(message: str) -> None:
         raise CliError(f"launch: {message}")
 
-    parser.error = refuse  # accelerate's own parser, so its options are checked as accelerate does
+    parser.error = refuse
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.training_script) and not args.module:
+    recipe = _load_recipe(args.recipe)
+    del args.recipe
+    if not (args.no_python or args.module) and not os.path.isfile(args.training_script):
         raise CliError(f"training script {args.training_script!r} not found")
     if args.mixed_precision == "fp8":
         raise CliError(
@@ -73,26 +72,20 @@ def _launch(argv: list[str]) -> int:
             "conversion: leave the option out (non-FP8 ops then run in bf16)"
         )
     args.mixed_precision = args.mixed_precision or "bf16"
-    os.environ[LAUNCHER_ENV] = recipe.to_yaml()
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = recipe.to_yaml()  # the launched processes inherit it
     try:
         launch_command(args)
-    except subprocess.CalledProcessError as err:  # the script failed and has said why
-        return err.returncode or 1
+    except (subprocess.CalledProcessError, ChildFailedError) as err:  # the script failed and said why
+        return getattr(err, "returncode", 1) or 1
+    except (ValueError, OSError) as err:  # accelerate's own checks of the options
+        raise CliError(f"launch: {str(err).strip().splitlines()[0]}") from None
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
     return 0
-
-
-def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """Remove ``name VALUE`` or ``name=VALUE`` from the launcher options (those before the script)."""
-    for i, arg in enumerate(argv):
-        if arg == name:
-            if i + 1 >= len(argv):
-                raise CliError(f"{name} needs a value")
-            return argv[i + 1], argv[:i] + argv[i + 2 :]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
-        if arg.endswith(".py") and not arg.startswith("-"):
-            break  # the script: everything after it is the script's own
-    return None, argv
 
 
 def _load_recipe(spec: str):
@@ -141,7 +134,7 @@ def _meta_model(path: str):
         raise CliError(f"model {path!r} not found (give a model folder or a config.json)")
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, huggingface_hub's validation errors: all bad input
         raise CliError(
             f"cannot read a transformers config from {path!r}: {str(err).splitlines()[0]}"
         ) from None
@@ -192,7 +185,10 @@ def _env(argv: list[str]) -> int:
 def _demo(argv: list[str]) -> int:
     from hf_fp8.demo import main as demo_main
 
-    return demo_main(argv)
+    try:
+        return demo_main(argv)
+    except ValueError as err:  # a bad recipe, step count or device
+        raise CliError(f"demo: {err}") from None
 
 
 def _parser(command: str, description: str) -> argparse.ArgumentParser:

@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="hybrid-delayed", help="a named recipe or a YAML file")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    recipe = Fp8Recipe.from_yaml(args.recipe) if os.path.exists(args.recipe) else Fp8Recipe.named(args.recipe)
+    recipe = Fp8Recipe.load(args.recipe)
+    if min(args.steps, args.batch_size, args.seq_len) < 1:
+        raise ValueError("--steps, --batch-size and --seq-len must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA GPU here; use --device cpu")
 
     text = load_text()
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)

@@ -25,6 +25,7 @@ import fnmatch
 import inspect
 import itertools
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -578,8 +579,41 @@ def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) ->
     if call.autocast is not None:
         call.autocast.__exit__(None, None, None)
     if call.fp8 and model.training and torch.is_grad_enabled():
-        state.step_pending = True
+        _end_step_after_backward(state, outputs)
     return unpad_outputs(outputs, call.padded) if outputs is not None else outputs
+
+
+@torch._dynamo.disable
+def _end_step_after_backward(state: _PatchState, outputs: Any) -> None:
+    """A step ends once a backward has run through this forward's outputs: the next training forward
+    then closes it. Two forwards before one backward (DPO, contrastive losses) are one step, and a
+    forward whose outputs never see a backward (logging, a reference pass) is none."""
+    tensor = _first_tensor_needing_grad(outputs)
+    if tensor is None:  # nothing to hook: count the forward itself
+        state.step_pending = True
+        return
+
+    def backward_reached(grad: torch.Tensor) -> None:
+        state.step_pending = True
+
+    tensor.register_hook(backward_reached)
+
+
+def _first_tensor_needing_grad(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, Mapping):
+        values = [outputs["loss"]] if outputs.get("loss") is not None else list(outputs.values())
+    elif isinstance(outputs, (tuple, list)):
+        values = list(outputs)
+    else:
+        values = [outputs]
+    for value in values:
+        if torch.is_tensor(value) and value.requires_grad:
+            return value
+        if isinstance(value, (tuple, list, Mapping)):
+            found = _first_tensor_needing_grad(value)
+            if found is not None:
+                return found
+    return None
 
 
 def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict | None:

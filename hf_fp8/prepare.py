@@ -24,24 +24,36 @@ def prepare_fp8(
     """Patch ``model`` to FP8, then ``accelerator.prepare`` it (and ``optimizer``).
 
     Patching comes first, so DDP/FSDP wrap the FP8 model and its amax state. The optimizer keeps
-    working: the native backend shares every parameter; when a backend replaces some (Transformer
-    Engine fuses q/k/v into one weight), an optimizer that has not stepped yet gets the model's
-    trainable parameters as its one parameter group, and one that has is refused rather than left
-    updating parameters the model no longer uses. ``recipe=None`` reads ``HF_FP8_RECIPE`` (set by
+    working: the native backend shares every parameter. When a backend replaces some (Transformer
+    Engine fuses q/k/v into one weight), an optimizer that has not stepped yet and has one parameter
+    group swaps the replaced parameters for the new trainable ones (parameters that are not the
+    model's stay); any other optimizer is refused rather than left updating parameters the model no
+    longer uses. ``recipe=None`` reads ``HF_FP8_RECIPE`` (set by
     ``hf-fp8 launch``) or uses the defaults. Returns the prepared model, optimizer and the report.
     """
+    if getattr(accelerator, "mixed_precision", None) == "fp8":
+        raise ValueError(
+            "prepare_fp8: the Accelerator has mixed_precision='fp8' and would convert the model a second "
+            "time; create it with mixed_precision='bf16' (hf-fp8 does the FP8 conversion)"
+        )
+    before = {id(p) for p in model.parameters()}
     report = patch_model(model, recipe, backend=backend)
     if optimizer is None:
         return accelerator.prepare(model), None, report
     current = {id(p) for p in model.parameters()}
-    stale = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in current]
-    if stale:
+    replaced = [
+        p for g in optimizer.param_groups for p in g["params"] if id(p) in before and id(p) not in current
+    ]
+    if replaced:
         if optimizer.state or len(optimizer.param_groups) != 1:
             raise ValueError(
-                f"prepare_fp8: {len(stale)} optimizer parameters were replaced by the {report.backend} "
-                "backend, and the optimizer has state or several parameter groups; create the optimizer "
-                "after prepare_fp8 (pass optimizer=None)"
+                f"prepare_fp8: the {report.backend} backend replaced {len(replaced)} of the optimizer's "
+                "parameters, and the optimizer has state or several parameter groups; create the "
+                "optimizer after prepare_fp8 (pass optimizer=None)"
             )
-        optimizer.param_groups[0]["params"] = [p for p in model.parameters() if p.requires_grad]
+        group = optimizer.param_groups[0]
+        kept = [p for p in group["params"] if id(p) not in before or id(p) in current]
+        added = [p for p in model.parameters() if p.requires_grad and id(p) not in before]
+        group["params"] = kept + added
     model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, report

@@ -24,12 +24,10 @@ STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
 
 
 def main(out_dir: str) -> None:
-    if "RANK" not in os.environ:  # started as one plain process (hf-fp8 launch --cpu): a group of one
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29533")
-        )
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    distributed = "RANK" in os.environ  # torchrun sets it; one plain process (hf-fp8 launch --cpu) not
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = tm.build("llama")
     report = patch_model(model)  # recipe: HF_FP8_RECIPE from the launcher, or the defaults
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -67,7 +65,8 @@ def main(out_dir: str) -> None:
         )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"world": world, "recipe": report.recipe.to_dict(), "steps": records}, f)
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

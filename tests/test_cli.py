@@ -1,5 +1,7 @@
 """The hf-fp8 command line, run as users run it: the installed console script in a subprocess."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def hf_fp8(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(HF_FP8), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [str(HF_FP8), *args],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -60,7 +69,7 @@ def test_demo_runs_end_to_end():
         (("inspect", "/no/such/model"), "not found"),
         (("inspect", "README.md"), "cannot read a transformers config"),
         (("inspect", "--recipe"), "inspect:"),
-        (("launch", "tests/dist_worker.py"), "launch needs --recipe"),
+        (("launch", "tests/dist_worker.py"), "--recipe"),
         (("launch", "--recipe", "turbo", "tests/dist_worker.py"), "'turbo' is neither a named recipe"),
         (("launch", "--recipe", "README.md", "tests/dist_worker.py"), "README.md"),
         (("launch", "--recipe", "hybrid-delayed"), "training_script"),
@@ -70,7 +79,13 @@ def test_demo_runs_end_to_end():
             "--frobnicate",
         ),
         (("launch", "--recipe", "hybrid-delayed", "--mixed_precision", "fp8", "tests/dist_worker.py"), "fp8"),
-        (("launch", "--recipe"), "--recipe needs a value"),
+        (("launch", "--recipe"), "--recipe"),
+        (
+            ("launch", "--recipe", "hybrid-delayed", "--config_file", "nope.yaml", "tests/dist_worker.py"),
+            "nope.yaml",
+        ),
+        (("demo", "--steps", "0"), "at least 1"),
+        (("demo", "--recipe", "turbo"), "'turbo' is neither a named recipe"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(args, expected):
@@ -87,3 +102,42 @@ def test_a_recipe_file_with_a_bad_value_names_the_file(tmp_path):
     assert_one_line_error(
         hf_fp8("launch", "--recipe", str(recipe), "tests/dist_worker.py"), str(recipe), "margin"
     )
+
+
+SPY = """
+import json, os, sys
+with open(sys.argv[1], "w") as f:
+    json.dump({"argv": sys.argv[2:], "recipe": os.environ.get("HF_FP8_RECIPE"),
+               "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION")}, f)
+"""
+
+
+def test_launch_passes_the_script_its_arguments_and_the_recipe(tmp_path):
+    script, out = tmp_path / "spy.py", tmp_path / "seen.json"
+    script.write_text(SPY)
+    result = hf_fp8(
+        "launch", "--cpu", "--recipe", "conservative", str(script), str(out), "--recipe", "mine", "-x"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == ["--recipe", "mine", "-x"], "everything after the script is the script's"
+    assert "margin: 1" in seen["recipe"] and seen["mixed_precision"] == "bf16"
+
+
+def test_launch_called_in_process_leaves_the_environment_as_it_was(tmp_path):
+    from hf_fp8.cli import main
+
+    script = tmp_path / "spy.py"
+    script.write_text(SPY)
+    assert "HF_FP8_RECIPE" not in os.environ
+    assert (
+        main(["launch", "--cpu", "--recipe", "hybrid-delayed", str(script), str(tmp_path / "seen.json")]) == 0
+    )
+    assert "HF_FP8_RECIPE" not in os.environ
+
+
+def test_launch_returns_the_exit_status_of_a_failing_script(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    result = hf_fp8("launch", "--cpu", "--recipe", "hybrid-delayed", str(script))
+    assert result.returncode != 0 and "CalledProcessError" not in result.stderr

@@ -316,6 +316,22 @@ def test_scales_advance_once_per_training_forward():
     assert torch.equal(layer.amax_history[:, 2:], history[:, 1:-1])
 
 
+def test_a_step_ends_only_after_its_backward():
+    """Two forwards before one backward are one step (DPO, contrastive losses); a forward whose
+    outputs see no backward (a logging pass, on one rank only) is none, so ranks cannot disagree on
+    when to reduce their amaxes."""
+    model = tm.build("llama")
+    patch_model(model)
+    layer = model.model.layers[0].mlp.down_proj
+    chosen, rejected = model(**tm.batch_for("llama", 16, seed=1)), model(**tm.batch_for("llama", 16, seed=2))
+    (chosen.loss - rejected.loss).backward()
+    model(**tm.batch_for("llama", 16, seed=3))  # ends the step of the pair above: one step
+    assert layer.fp8_steps.item() == 1
+    assert layer.amax_history[2, 1] > 0, "the pair's gradient amax is in the step it belongs to"
+    model(**tm.batch_for("llama", 16, seed=4))  # the previous forward had no backward
+    assert layer.fp8_steps.item() == 1
+
+
 def test_save_pretrained_round_trips_with_no_key_warnings(tmp_path):
     model = tm.build("llama")
     patch_model(model)
