@@ -25,19 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str]) -> None:
-    """Run ``cmd`` on the loopback interface; on a hang, kill it with every process it started."""
+def run(cmd: list[str], log: Path) -> None:
+    """Run ``cmd`` on the loopback interface, its output to ``log`` (pipes have been seen to stall the
+    ranks here); on a hang, kill it with every process it started."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    pipes = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with subprocess.Popen(cmd, env=env, text=True, **pipes) as process:
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        ) as process,
+    ):
         try:
-            _, stderr = process.communicate(timeout=180)
+            process.wait(timeout=180)
         except subprocess.TimeoutExpired:
             for child in psutil.Process(process.pid).children(recursive=True):
                 child.kill()
             process.kill()
             raise
-    assert process.returncode == 0, stderr[-3000:]
+    assert process.returncode == 0, log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +50,10 @@ def runs(tmp_path_factory):
     """Two ranks under torchrun and one process under hf-fp8 launch, same global batches."""
     two, one, conservative = (tmp_path_factory.mktemp(n) for n in ("two", "one", "conservative"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    run([*torchrun, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(two)])
+    port = str(free_port())
+    run([*torchrun, "--master_addr", "127.0.0.1", "--master_port", port, str(WORKER), str(two)], two / "log")
     for folder, recipe in ((one, "hybrid-delayed"), (conservative, "conservative")):
-        run([str(HF_FP8), "launch", "--cpu", "--recipe", recipe, str(WORKER), str(folder)])
+        run([str(HF_FP8), "launch", "--cpu", "--recipe", recipe, str(WORKER), str(folder)], folder / "log")
 
     def load(folder, rank):
         return json.loads((folder / f"rank{rank}.json").read_text())
