@@ -36,8 +36,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
 from hf_fp8.backends import te as te_backend
-from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, advance_fp8_step
-from hf_fp8.distributed import default_amax_group, sync_amaxes
+from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, _Fp8Module, end_fp8_step
+from hf_fp8.distributed import default_amax_group
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.norms import norm_kind
 from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
@@ -545,6 +545,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     recipe = state.recipe
     call = _Call(PaddedLengths({}), fp8=fp8_active(model.training, recipe.use_during_eval))
     state.calls.append(call)
+    group = state.amax_group or default_amax_group()
     if state.backend == "te":
         if call.fp8 and model.training and getattr(model, "is_gradient_checkpointing", False):
             raise RuntimeError(
@@ -552,15 +553,12 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
                 "outside te.autocast, in another precision; disable it or use backend='native'"
             )
         # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
-        group = state.amax_group or default_amax_group()
         call.autocast = te_backend.autocast(state.te_recipe, enabled=call.fp8, group=group)
         call.autocast.__enter__()
     if not call.fp8:
         return None
     if model.training and state.step_pending and state.backend == "native":  # TE updates its own
-        sync_amaxes(state.fp8_modules, state.amax_group or default_amax_group())
-        for module in state.fp8_modules:
-            advance_fp8_step(module)
+        end_fp8_step(state.fp8_modules, group)
         state.step_pending = False
     batch = _as_kwargs(model, args, kwargs)
     config = getattr(model, "config", None)

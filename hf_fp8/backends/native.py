@@ -181,14 +181,18 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
     ``Fp8Linear`` without it.
     """
     modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
-    sync_amaxes(modules, group or default_amax_group())
-    for module in modules:
-        advance_fp8_step(module)
+    end_fp8_step(modules, group or default_amax_group())
 
 
 @torch.no_grad()
-def advance_fp8_step(module: _Fp8Module) -> None:
-    """:func:`update_fp8_scales` for one FP8 layer."""
+def end_fp8_step(modules: list[_Fp8Module], group: dist.ProcessGroup | None) -> None:
+    """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction)."""
+    sync_amaxes(modules, group)
+    for module in modules:
+        _advance_step(module)
+
+
+def _advance_step(module: _Fp8Module) -> None:
     recipe, history, scale = module.recipe, module.amax_history, module.scale
     if recipe.scaling == "delayed":
         amax = history.amax(dim=1) if recipe.amax_compute_algo == "max" else history[:, 0]
