@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
-exec .venv/bin/python -m pytest -q "$@"
+# A defined standard input: CI runs this with none, and torchrun's workers (tests/test_distributed.py)
+# hang when pytest starts them from a process whose stdin is closed.
+exec .venv/bin/python -m pytest -q "$@" </dev/null

@@ -2,12 +2,15 @@
 
     torchrun --nproc_per_node N tests/dist_worker.py OUT_DIR      (or: hf-fp8 launch ... this file)
 
+(tests/test_distributed.py starts the ranks itself, with the variables torchrun would set.)
+
 Trains a tiny Llama for a few steps under DDP (gloo) with each rank on its own slice of one global
 batch, and writes what the test checks to OUT_DIR/rank<R>.json: per step the loss, this rank's own
 amaxes of the step, the amax history and scales every rank should share, and how many all-reduces
 hf-fp8 issued. With one process it trains on the whole global batch: the single-process reference.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -24,7 +27,8 @@ STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
 
 
 def main(out_dir: str) -> None:
-    distributed = "RANK" in os.environ  # torchrun sets it; one plain process (hf-fp8 launch --cpu) not
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
+    distributed = "RANK" in os.environ  # set for each rank; one plain process (hf-fp8 launch --cpu) not
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
