@@ -2,12 +2,15 @@
 
 from hf_fp8.autocast import fp8_autocast
 from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, update_fp8_scales
+from hf_fp8.checkpoint import load_fp8_state, save_fp8_state
 from hf_fp8.formats import E4M3, E5M2, cast_to_representable
 from hf_fp8.padding import Fp8PaddingCollator
 from hf_fp8.patch import is_patched, patch_model, plan_patch, unpatch_model
 from hf_fp8.prepare import prepare_fp8
 from hf_fp8.recipe import RECIPES, Fp8Recipe
 from hf_fp8.report import PatchReport
+from hf_fp8.telemetry import Fp8Telemetry
+from hf_fp8.trainer import Fp8Trainer, Fp8TrainerCallback
 
 __version__ = "0.1.0"
 
@@ -19,13 +22,18 @@ __all__ = [
     "Fp8Linear",
     "Fp8PaddingCollator",
     "Fp8Recipe",
+    "Fp8Telemetry",
+    "Fp8Trainer",
+    "Fp8TrainerCallback",
     "PatchReport",
     "cast_to_representable",
     "fp8_autocast",
     "is_patched",
+    "load_fp8_state",
     "patch_model",
     "plan_patch",
     "prepare_fp8",
+    "save_fp8_state",
     "unpatch_model",
     "update_fp8_scales",
 ]

@@ -171,6 +171,28 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _set_recipe(model: nn.Module, recipe: Fp8Recipe) -> None:
+    """Switch a patched model to ``recipe`` (same format and history length; the NaN guard raises the
+    margin this way, and a resumed run takes the checkpoint's margin)."""
+    state: _PatchState = getattr(model, _STATE_ATTR)
+    state.recipe = recipe
+    for module in state.fp8_modules:
+        module.recipe = recipe
+    if state.backend == "te":
+        state.te_recipe = te_backend.to_te_recipe(recipe)
+
+
+@torch.no_grad()
+def _end_pending_step(model: nn.Module) -> None:
+    """End the FP8 step whose backward has run now rather than at the next training forward (the same
+    arithmetic, done earlier): the Trainer callback ends each optimizer step here, so the state it
+    checks, logs and saves is the state at the step boundary."""
+    state: _PatchState = getattr(model, _STATE_ATTR)
+    if state.step_pending and state.backend == "native":
+        end_fp8_step(state.fp8_modules, state.amax_group or default_amax_group())
+    state.step_pending = False
+
+
 def _unpatch_te(model: nn.Module, state: _PatchState) -> None:
     """Put the original modules back, each on its replacement's device, with the weights in HF's keys
     and layouts (through the TE backend's hooks). Shared parameters are handed back as they are."""
@@ -547,7 +569,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     state.calls.append(call)
     group = state.amax_group or default_amax_group()
     if state.backend == "te":
-        if call.fp8 and model.training and getattr(model, "is_gradient_checkpointing", False):
+        if call.fp8 and model.training and _recomputes_activations(model):
             raise RuntimeError(
                 "hf_fp8: gradient checkpointing with the Transformer Engine backend would recompute layers "
                 "outside te.autocast, in another precision; disable it or use backend='native'"
@@ -625,6 +647,14 @@ def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict | None:
     merged = dict(zip(parameters, args, strict=False))
     merged.update(kwargs)
     return merged
+
+
+def _recomputes_activations(model: nn.Module) -> bool:
+    """Gradient (since transformers 5: activation) checkpointing is on."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), attr) or attr in vars(model):
+            return bool(getattr(model, attr))
+    return False
 
 
 def _pad_token_id(config: Any) -> int:

@@ -27,6 +27,7 @@ LAUNCHER_ENV = "HF_FP8_RECIPE"
 _FORMATS = ("hybrid", "e4m3", "e5m2")
 _SCALINGS = ("delayed", "current", "block")
 _AMAX_ALGOS = ("max", "most_recent")
+_NAN_POLICIES = ("raise", "skip_step", "increase_margin")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Fp8Recipe:
         convert_lm_head: also convert the output head and layers whose weight is tied to the input
             embeddings (off by default: the logits feed the loss directly and are sensitive to rounding).
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
+        nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
+            amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and
+            roll the amax histories back) or ``"increase_margin"`` (skip the step and add one to the
+            margin).
     """
 
     enabled: bool = True
@@ -65,6 +70,7 @@ class Fp8Recipe:
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool = False
     use_during_eval: bool = False
+    nan_policy: str = "raise"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -275,6 +281,7 @@ _VALIDATORS = {
     "modules_to_not_convert": _validate_patterns,
     "convert_lm_head": _expect_bool,
     "use_during_eval": _expect_bool,
+    "nan_policy": lambda n, v: _expect_choice(n, v, _NAN_POLICIES),
 }
 
 

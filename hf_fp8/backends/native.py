@@ -339,7 +339,14 @@ def _fp8_mm(
 def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not hasattr(torch, "_scaled_mm"):
         return False
-    return not (a.is_cuda and a.dtype == b.dtype == torch.float8_e5m2)
+    if a.is_cuda:
+        return gpu_has_fp8(a.device) and not a.dtype == b.dtype == torch.float8_e5m2
+    return True
+
+
+def gpu_has_fp8(device: torch.device | int | None = None) -> bool:
+    """Whether a CUDA GPU has FP8 tensor cores (compute capability 8.9: Ada, 9.0: Hopper, and later)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _check_gemm_shape(in_features: int, out_features: int) -> None:

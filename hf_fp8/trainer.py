@@ -1,0 +1,379 @@
+"""FP8 in transformers' ``Trainer``: one callback.
+
+``Trainer(..., callbacks=[Fp8TrainerCallback()])`` patches the model when the Trainer is built (before
+its optimizer exists), and then, at every optimizer step:
+
+* ends the FP8 step at the step boundary: amaxes reduced over the data-parallel ranks in one
+  all-reduce, scales updated, histories rolled;
+* guards against a non-finite loss, gradient or amax, naming the layer, and applies the recipe's
+  ``nan_policy`` (``raise``, ``skip_step`` or ``increase_margin``);
+* on logging steps adds FP8 telemetry (:mod:`hf_fp8.telemetry`) to the Trainer's logs;
+* on checkpoint saves writes ``fp8_state.safetensors`` into the checkpoint folder, and on
+  ``resume_from_checkpoint`` loads it back, so the resumed run uses the scales of the uninterrupted one.
+
+Why :class:`Fp8Trainer` exists: the Trainer creates its reporting callbacks (TensorBoard, W&B, ...)
+before the ones passed in ``callbacks``, so they have already written a log when a user callback sees
+it. The callback adds its telemetry to ``trainer.state.log_history`` and to what later callbacks get;
+``Fp8Trainer`` overrides only ``log`` to add it before any of them, so every integration records it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from hf_fp8.backends import te as te_backend
+from hf_fp8.backends.native import _Fp8Module, gpu_has_fp8
+from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
+from hf_fp8.distributed import default_amax_group
+from hf_fp8.patch import _end_pending_step, _set_recipe, is_patched, patch_model
+from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.report import PatchReport
+from hf_fp8.telemetry import Fp8Telemetry
+
+__all__ = ["Fp8Trainer", "Fp8TrainerCallback"]
+
+_CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
+
+
+class Fp8TrainerCallback(TrainerCallback):
+    """Train in FP8 under transformers' ``Trainer``.
+
+    Args:
+        recipe: the FP8 recipe; ``None`` takes the recipe of an already patched model, else the one
+            ``hf-fp8 launch`` handed over, else the defaults.
+        backend: ``patch_model``'s backend when the callback patches the model.
+        sample_layers: FP8 layers whose casts are sampled for saturation / flush-to-zero telemetry.
+        max_consecutive_skips: under ``skip_step`` / ``increase_margin``, raise after this many
+            non-finite steps in a row (the cause is then not transient).
+    """
+
+    def __init__(
+        self,
+        recipe: Fp8Recipe | None = None,
+        backend: str = "auto",
+        sample_layers: int = 8,
+        max_consecutive_skips: int = 10,
+    ) -> None:
+        self.recipe = recipe
+        self.backend = backend
+        self.sample_layers = sample_layers
+        self.max_consecutive_skips = max_consecutive_skips
+        self.report: PatchReport | None = None
+        self.skipped_steps = 0
+        self._consecutive_skips = 0
+        self._model: nn.Module | None = None
+        self._telemetry: Fp8Telemetry | None = None
+        self._losses: list[torch.Tensor] = []
+        self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_logs: dict[str, Any] = {}
+        self._loss_hook = None
+        if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
+            # Checked here: the Trainer builds its Accelerator, which acts on it, before on_init_end.
+            warnings.warn(
+                "hf_fp8: ACCELERATE_MIXED_PRECISION=fp8 makes accelerate convert the model to FP8 a second "
+                "time; unset it (hf-fp8 launch does) and let hf-fp8 do the FP8",
+                stacklevel=2,
+            )
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        if model is None:
+            raise ValueError("Fp8TrainerCallback needs the Trainer's model; build the Trainer with model=...")
+        self._model = model
+        if is_patched(model):
+            patched_recipe = model._hf_fp8_state.recipe
+            if self.recipe is not None and self.recipe != patched_recipe:
+                warnings.warn(
+                    "hf_fp8: the model was already patched with another recipe than the callback's; the "
+                    "model's recipe is used. Pass recipe=None, or patch the model with the recipe you want",
+                    stacklevel=2,
+                )
+            self.recipe = patched_recipe
+        else:
+            self.report = patch_model(model, self.recipe, backend=self.backend)
+            self.recipe = self.report.recipe
+        if not is_patched(model):  # recipe.enabled is False: a high-precision run
+            return
+        _check_arguments(args, model)
+        self._telemetry = Fp8Telemetry(model, self.sample_layers)
+        self._loss_hook = model.register_forward_hook(self._watch_loss)
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        if self._model is None or not is_patched(self._model) or state.global_step == 0:
+            return
+        folder = _checkpoint_folder(args, state.global_step)
+        if not (folder / FP8_STATE_FILE).is_file():
+            warnings.warn(
+                f"hf_fp8: resuming at step {state.global_step}, but {folder / FP8_STATE_FILE} does not "
+                "exist; FP8 scales start afresh from the next step's amaxes, so this run will not follow the "
+                "interrupted one exactly",
+                stacklevel=2,
+            )
+            return
+        recipe = load_fp8_state(self._model, folder, self.recipe)
+        if recipe != self.recipe:
+            _set_recipe(self._model, recipe)
+            self.recipe = recipe
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+
+    # ---- each optimizer step ------------------------------------------------------------------
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None:
+            return
+        self._losses.clear()
+        if self.recipe.nan_policy != "raise":
+            self._snapshot = [(t, t.clone()) for t in _fp8_state_tensors(self._model)]
+        if _log_due(args, state):
+            self._telemetry.arm()
+
+    def on_pre_optimizer_step(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        if self._telemetry is None:
+            return
+        problem = self._find_non_finite()
+        if problem is None:
+            self._consecutive_skips = 0
+            return
+        where = f"step {state.global_step + 1}: {problem}"
+        policy = self.recipe.nan_policy
+        if policy == "raise":
+            raise FloatingPointError(
+                f"hf_fp8: {where}. The weights are not updated by this step. Set nan_policy: skip_step or "
+                "increase_margin in the recipe to go on past such steps"
+            )
+        self._consecutive_skips += 1
+        if self._consecutive_skips > self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"hf_fp8: {where}; {self._consecutive_skips} non-finite steps in a row, which skipping does "
+                "not cure. Check the data and the learning rate"
+            )
+        for param in self._model.parameters():
+            param.grad = None  # the optimizer leaves parameters without gradients alone
+        for live, saved in self._snapshot:
+            live.copy_(saved)
+        self._model._hf_fp8_state.step_pending = False
+        self.skipped_steps += 1
+        action = "skipped the step and rolled the amax histories back"
+        if policy == "increase_margin":
+            self.recipe = self.recipe.replace(margin=self.recipe.margin + 1)
+            _set_recipe(self._model, self.recipe)
+            action += f", margin now {self.recipe.margin}"
+        warnings.warn(f"hf_fp8: {where}; {action}", stacklevel=2)
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is not None:
+            _end_pending_step(self._model)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None:
+            return
+        if control.should_log or self._telemetry.armed:
+            logs = self._telemetry.collect()
+            logs["fp8/skipped_steps"] = self.skipped_steps
+            logs["fp8/margin"] = self.recipe.margin
+            self._pending_logs = logs if control.should_log else {}
+
+    def pop_telemetry(self) -> dict[str, Any]:
+        """The telemetry of the step about to be logged (once)."""
+        logs, self._pending_logs = self._pending_logs, {}
+        return logs
+
+    def on_log(self, args, state, control, logs: dict | None = None, **kwargs) -> None:
+        telemetry = self.pop_telemetry()
+        if not telemetry or logs is None:
+            return
+        logs.update(telemetry)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(telemetry)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None or not state.is_world_process_zero:
+            return
+        folder = _checkpoint_folder(args, state.global_step)
+        if not folder.is_dir():
+            warnings.warn(f"hf_fp8: no checkpoint folder {folder} to put the FP8 state in", stacklevel=2)
+            return
+        save_fp8_state(self._model, folder, self.recipe)
+
+    # ---- the NaN guard ------------------------------------------------------------------------
+
+    def _watch_loss(self, module: nn.Module, args: tuple, outputs: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+        if module.training and torch.is_tensor(loss):
+            self._losses.append(loss.detach())
+
+    @torch.no_grad()
+    def _find_non_finite(self) -> str | None:
+        """What is non-finite in this step (loss, gradients, amaxes), or ``None``; one host sync, and
+        one all-reduce when distributed so that every rank takes the same decision."""
+        model = self._model
+        named_grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        layers = _amax_histories(model)
+        device = next(model.parameters()).device
+        checks = [
+            torch.stack(self._losses).isfinite().all() if self._losses else torch.tensor(True, device=device),
+            torch.stack(torch._foreach_norm([g for _, g in named_grads])).isfinite().all()
+            if named_grads
+            else torch.tensor(True, device=device),
+            torch.stack([h.isfinite().all() for _, roles in layers for _, h in roles]).all()
+            if layers
+            else torch.tensor(True, device=device),
+        ]
+        bad = (~torch.stack([c.to(device) for c in checks])).int()
+        group = default_amax_group()
+        if group is not None:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        loss_bad, grad_bad, amax_bad = bad.tolist()
+        if not (loss_bad or grad_bad or amax_bad):
+            return None
+        parts = []
+        if amax_bad:
+            parts.append(_first_non_finite_amax(layers))
+        if loss_bad:
+            parts.append("the loss is non-finite")
+        if not parts:  # only the gradients: it arose outside the FP8 layers
+            parts.append(_first_non_finite_gradient(named_grads))
+        return "; ".join(parts)
+
+
+class Fp8Trainer(Trainer):
+    """``Trainer`` with an :class:`Fp8TrainerCallback` whose telemetry every reporting integration
+    records (see the module docstring for why this needs ``log``). ``fp8_recipe`` / ``fp8_callback``
+    choose the recipe or the whole callback; everything else is ``Trainer``'s."""
+
+    def __init__(
+        self,
+        *args: Any,
+        fp8_recipe: Fp8Recipe | None = None,
+        fp8_callback: Fp8TrainerCallback | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.fp8_callback = fp8_callback or Fp8TrainerCallback(recipe=fp8_recipe)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.fp8_callback]
+        super().__init__(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(self.fp8_callback.pop_telemetry())
+        super().log(logs, start_time)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def _check_arguments(args: Any, model: nn.Module) -> None:
+    """Warn about TrainingArguments that fight FP8, and say what runs where FP8 cannot."""
+    backend = model._hf_fp8_state.backend
+    if getattr(args, "fp16", False):
+        warnings.warn(
+            "hf_fp8: fp16=True runs everything outside the FP8 layers in float16 under a loss scaler, "
+            "which FP8 training does not need and which overflows more easily; use bf16=True",
+            stacklevel=3,
+        )
+    if backend == "te" and _recomputes_activations(model, args):
+        raise ValueError(
+            "hf_fp8: gradient_checkpointing with the Transformer Engine backend would recompute layers "
+            "outside te.autocast; set gradient_checkpointing=False or patch with backend='native'"
+        )
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        warnings.warn(
+            "hf_fp8: the model is on the CPU; FP8 runs with real FP8 casts and torch._scaled_mm, so the "
+            "numerics are those of FP8 training, but the CPU has no FP8 speed-up",
+            stacklevel=3,
+        )
+    elif device.type == "cuda" and not gpu_has_fp8(device):
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        warnings.warn(
+            f"hf_fp8: {name} (compute capability {major}.{minor}) has no FP8 tensor cores (they need 8.9 "
+            "or later); the FP8 GEMMs are emulated in float32 with the same FP8 numerics, slower than BF16",
+            stacklevel=3,
+        )
+
+
+def _recomputes_activations(model: nn.Module, args: Any) -> bool:
+    """Activation (before transformers 5: gradient) checkpointing is asked for."""
+    name = (
+        "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    )
+    return bool(getattr(args, name, False))
+
+
+def _log_due(args: Any, state: Any) -> bool:
+    """Whether the step now starting will be logged (DefaultFlowCallback's rule); when the strategy is
+    not by steps, every step is sampled."""
+    strategy = str(getattr(args, "logging_strategy", "steps")).rsplit(".", 1)[-1].lower()
+    if strategy != "steps":
+        return strategy != "no"
+    step = state.global_step + 1
+    every = state.logging_steps or args.logging_steps
+    every = math.ceil(every) if every >= 1 else max(1, math.ceil(state.max_steps * every))
+    return step % every == 0 or (step == 1 and args.logging_first_step)
+
+
+def _checkpoint_folder(args: Any, step: int) -> Path:
+    return Path(args.output_dir) / f"{_CHECKPOINT_PREFIX}-{step}"
+
+
+def _fp8_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The live tensors of every FP8 layer's scaling state (native buffers, TE delayed-scaling meta)."""
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, _Fp8Module):
+            tensors += [module.amax_history, module.scale, module.fp8_steps]
+        elif te_backend.is_te_module(module):
+            for key in ("scaling_fwd", "scaling_bwd"):
+                meta = module.fp8_meta.get(key)
+                if meta is not None and hasattr(meta, "amax_history"):
+                    tensors += [meta.amax_history, meta.scale]
+    return tensors
+
+
+def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Per FP8 layer (forward order) its amax histories by role: native layers per tensor, TE layers
+    per direction."""
+    layers = []
+    for name, module in model.named_modules():
+        if isinstance(module, _Fp8Module):
+            roles = list(zip(("input", "weight", "grad_output"), module.amax_history, strict=True))
+        elif te_backend.is_te_module(module):
+            metas = (
+                (r, module.fp8_meta.get(k))
+                for r, k in (("forward", "scaling_fwd"), ("backward", "scaling_bwd"))
+            )
+            roles = [(r, meta.amax_history) for r, meta in metas if hasattr(meta, "amax_history")]
+        else:
+            continue
+        layers.append((name, roles))
+    return layers
+
+
+def _first_non_finite_amax(layers: list[tuple[str, list[tuple[str, torch.Tensor]]]]) -> str:
+    """The first layer, in forward order, with a non-finite forward amax; else the last with a
+    non-finite gradient amax (the first the backward reached)."""
+    bad = [(name, [r for r, h in roles if not h.isfinite().all()]) for name, roles in layers]
+    forward = [(n, rs) for n, rs in bad if set(rs) & {"input", "weight", "forward"}]
+    name, rs = forward[0] if forward else next((n, rs) for n, rs in reversed(bad) if rs)
+    return f"non-finite amax of {'/'.join(rs)} in layer {name!r}"
+
+
+def _first_non_finite_gradient(named_grads: list[tuple[str, torch.Tensor]]) -> str:
+    """The first parameter the backward reached with a non-finite gradient. Gradient clipping spreads
+    a non-finite norm to every gradient, so with clipping on this is where the backward started."""
+    name = next((n for n, g in reversed(named_grads) if not g.isfinite().all()), None)
+    where = f" (first reached: {name!r})" if name else ""
+    return f"non-finite gradients outside the FP8 layers{where}; the FP8 amaxes and the loss are finite"
