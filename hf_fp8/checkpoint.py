@@ -44,7 +44,7 @@ def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, _Fp8Module):
             for buffer in _NATIVE_BUFFERS:
                 state[f"{name}.{buffer}"] = getattr(module, buffer).detach().cpu().clone()
-        elif te_backend.is_te_module(module):
+        elif te_backend.has_scaling_state(module):
             for key, meta in _te_metas(module):
                 for tensor in _TE_TENSORS:
                     state[f"{name}.{key}.{tensor}"] = getattr(meta, tensor).detach().cpu().clone()
@@ -63,7 +63,7 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
         if isinstance(module, _Fp8Module):
             for buffer in _NATIVE_BUFFERS:
                 targets[f"{name}.{buffer}"] = getattr(module, buffer)
-        elif te_backend.is_te_module(module):
+        elif te_backend.has_scaling_state(module):
             saved_scale = state.get(f"{name}.scaling_fwd.scale")
             if saved_scale is not None and te_recipe is not None:
                 _create_te_metas(module, te_recipe, num_gemms=saved_scale.numel() // 3)

@@ -61,7 +61,7 @@ class Fp8Telemetry:
 
     def __init__(self, model: nn.Module, sample_layers: int = 8) -> None:
         self.layers = [(n, m) for n, m in model.named_modules() if isinstance(m, _Fp8Module)]
-        self.te_layers = [(n, m) for n, m in model.named_modules() if te_backend.is_te_module(m)]
+        self.te_layers = [(n, m) for n, m in model.named_modules() if te_backend.has_scaling_state(m)]
         every = max(1, -(-len(self.layers) // max(sample_layers, 1)))
         self.sampled = self.layers[::every][:sample_layers]
         self._counts: dict[str, _Counts] = {}

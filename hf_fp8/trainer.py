@@ -335,7 +335,7 @@ def _fp8_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     for module in model.modules():
         if isinstance(module, _Fp8Module):
             tensors += [module.amax_history, module.scale, module.fp8_steps]
-        elif te_backend.is_te_module(module):
+        elif te_backend.has_scaling_state(module):
             for key in ("scaling_fwd", "scaling_bwd"):
                 meta = module.fp8_meta.get(key)
                 if meta is not None and hasattr(meta, "amax_history"):
@@ -350,7 +350,7 @@ def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.T
     for name, module in model.named_modules():
         if isinstance(module, _Fp8Module):
             roles = list(zip(("input", "weight", "grad_output"), module.amax_history, strict=True))
-        elif te_backend.is_te_module(module):
+        elif te_backend.has_scaling_state(module):
             metas = (
                 (r, module.fp8_meta.get(k))
                 for r, k in (("forward", "scaling_fwd"), ("backward", "scaling_bwd"))

@@ -109,6 +109,12 @@ def is_te_module(module: nn.Module) -> bool:
     return getattr(module, "_hf_fp8_te", False) or type(module).__module__.startswith("transformer_engine.")
 
 
+def has_scaling_state(module: nn.Module) -> bool:
+    """Whether ``module`` is a TE layer that keeps FP8 scaling state (``fp8_meta``); our fused
+    wrappers delegate to such layers and keep none of their own."""
+    return is_te_module(module) and isinstance(getattr(module, "fp8_meta", None), dict)
+
+
 @contextlib.contextmanager
 def _init_context(recipe: Fp8Recipe, frozen: bool):
     """Where TE modules are built: under ``quantized_model_init`` when their weights are frozen and
