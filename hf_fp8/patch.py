@@ -24,7 +24,6 @@ import copy
 import fnmatch
 import inspect
 import itertools
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +67,8 @@ class _PatchState:
     te_recipe: Any = None
     # Data-parallel group whose ranks share amaxes; None: the world group when distributed.
     amax_group: Any = None
+    # Native fp8_weights: FP8 layers whose weight is not stored in FP8 yet (it is while trainable).
+    unquantized: list[nn.Module] = field(default_factory=list)
     # A training forward ran in FP8 since the last scale update.
     step_pending: bool = False
     # One entry per forward in flight: its padding, whether FP8 ran, the te.autocast it entered.
@@ -134,9 +135,12 @@ def patch_model(
         state.fp8_modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
         _keep_fp8_state_out_of_ddp_broadcast(model)
         if recipe.fp8_weights:
-            note = "fp8_weights: the native backend does not store weights in FP8 yet; they keep their dtype"
-            warnings.warn(f"hf_fp8: {note}", stacklevel=2)
-            state.report.notes.append(note)
+            state.unquantized = list(state.fp8_modules)
+            _quantize_frozen_weights(state)
+            state.report.notes.append(
+                "fp8_weights: frozen weights are stored in FP8 (now, or at the first forward after they are "
+                "frozen, e.g. by PEFT); trainable weights keep their dtype"
+            )
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
         state.handles += te_backend.install_state_dict_hooks(model)
@@ -480,12 +484,20 @@ def _to_fp8(module: nn.Module, recipe: Fp8Recipe, backend: str) -> nn.Module:
     return Fp8Linear.from_float(module, recipe)
 
 
+def _quantize_frozen_weights(state: _PatchState) -> None:
+    """Store the weights that are frozen by now in FP8 (native ``fp8_weights``)."""
+    for module in [m for m in state.unquantized if not m.weight.requires_grad]:
+        module.quantize_weight_()
+        state.unquantized.remove(module)
+
+
 def _to_plain(module: _Fp8Module) -> nn.Module:
     with torch.device("meta"):
         if isinstance(module, Fp8Conv1D):
             plain: nn.Module = Conv1D(module.nf, module.nx)
         else:
             plain = nn.Linear(module.in_features, module.out_features, bias=False)
+    module.dequantize_weight_()  # a weight stored in FP8 comes back in its original dtype
     plain.weight = module.weight
     plain.bias = module.bias
     plain.train(module.training)
@@ -577,6 +589,8 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
         # The whole forward runs inside te.autocast; _after_forward leaves it, so backward is outside.
         call.autocast = te_backend.autocast(state.te_recipe, enabled=call.fp8, group=group)
         call.autocast.__enter__()
+    if state.unquantized:
+        _quantize_frozen_weights(state)
     if not call.fp8:
         return None
     if model.training and state.step_pending and state.backend == "native":  # TE updates its own

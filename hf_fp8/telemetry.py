@@ -149,7 +149,7 @@ def _probe(module: _Fp8Module, counts: _Counts):
             return
         recipe = module.recipe
         x = args[0].reshape(-1, args[0].shape[-1])
-        weight = module.weight if module.weight.dim() == 2 else None
+        weight = None if module.weight_in_fp8 else module.weight  # stored in FP8: no cast happens
         with torch.no_grad():
             counts.add("fwd", x, module.scale[INPUT], recipe.forward_format)
             if weight is not None:

@@ -271,10 +271,13 @@ def test_linear_subclasses_are_not_converted():
     assert reasons["0"].startswith("subclass of nn.Linear") and reasons["1.out_proj"].startswith("subclass")
 
 
-def test_fp8_weights_on_the_native_backend_is_reported_not_silent():
-    with pytest.warns(UserWarning, match="does not store weights in FP8 yet"):
-        report = patch_model(tm.build("llama"), Fp8Recipe(fp8_weights=True), backend="native")
+def test_fp8_weights_on_the_native_backend_stores_frozen_weights_and_says_so():
+    model = tm.build("llama")
+    model.model.layers[0].mlp.requires_grad_(False)
+    report = patch_model(model, Fp8Recipe(fp8_weights=True), backend="native")
     assert any("fp8_weights" in note for note in report.notes) and "note: fp8_weights" in str(report)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.model.layers[1].mlp.up_proj.weight.dtype == torch.float32, "trainable: keeps its dtype"
 
 
 def test_calls_that_change_nothing_do_not_check_the_backend():

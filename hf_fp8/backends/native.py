@@ -18,6 +18,10 @@ Every FP8 forward/backward writes its amax into slot 0 of the history; :func:`up
 ends a step by turning the histories into next step's scales and rolling them. A scale of 0 means
 "no history yet": the tensor is then scaled by its own amax, so the first step is not wasted on a
 guess.
+
+With the recipe's ``fp8_weights``, a frozen weight is stored in FP8 (one byte a value plus a scale):
+quantized once, never re-cast, no weight gradient and no high-precision copy on the device.
+``state_dict`` still gives (and takes) the weight in its original dtype, so checkpoints stay HF's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Conv1D", "Fp8Linear", "update_fp8_scales"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Rows of ``amax_history`` and entries of ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -75,6 +81,71 @@ class _Fp8Module(nn.Module):
         self._reset_fp8_state()
 
     @property
+    def weight_in_fp8(self) -> bool:
+        """Whether the weight is stored in FP8 (see :meth:`quantize_weight_`)."""
+        return self.weight.dtype in _FP8_DTYPES
+
+    @torch.no_grad()
+    def quantize_weight_(self) -> None:
+        """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once. The
+        parameter keeps its name and shape (what PEFT and HF code read), its dtype becomes the FP8
+        format's, ``weight_scale`` holds the scale and the high-precision values are freed."""
+        if self.weight_in_fp8:
+            return
+        if self.weight.requires_grad:
+            raise ValueError(
+                "only frozen weights are stored in FP8 (a trainable weight needs its high-precision master "
+                "copy); freeze it first (requires_grad=False), or leave fp8_weights off"
+            )
+        fmt = self.recipe.forward_format
+        weight = self.weight
+        scale = compute_scale(weight.abs().amax().float(), fmt, self.recipe.margin)
+        self.weight_dtype = weight.dtype
+        self.weight = nn.Parameter(cast_to_fp8(weight, scale, fmt), requires_grad=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+
+    @torch.no_grad()
+    def dequantize_weight_(self) -> None:
+        """Undo :meth:`quantize_weight_`: the weight back in its original dtype (FP8-rounded values)."""
+        if self.weight_in_fp8:
+            self.weight = nn.Parameter(self.dequantized_weight(), requires_grad=False)
+            del self.weight_scale
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight in its original dtype (a temporary when it is stored in FP8)."""
+        if not self.weight_in_fp8:
+            return self.weight
+        return (self.weight.float() / self.weight_scale).to(self.weight_dtype)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight_in_fp8:  # checkpoints keep HF's dtype
+            destination[prefix + "weight"] = self.dequantized_weight().detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """A weight stored in FP8 takes a high-precision checkpoint weight by quantizing it."""
+        key = prefix + "weight"
+        if not (self.weight_in_fp8 and key in state_dict):
+            return super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+            )
+        incoming = state_dict[key]
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
+        if key in missing:
+            missing.remove(key)
+        if incoming.shape != self.weight.shape:
+            errors.append(f"size mismatch for {key}: {tuple(incoming.shape)} vs {tuple(self.weight.shape)}")
+            return None
+        fmt = self.recipe.forward_format
+        with torch.no_grad():
+            incoming = incoming.to(self.weight.device)
+            scale = compute_scale(incoming.abs().amax().float(), fmt, self.recipe.margin)
+            self.weight.copy_(cast_to_fp8(incoming, scale, fmt))
+            self.weight_scale.copy_(scale)
+        return None
+
+    @property
     def fp8_enabled(self) -> bool:
         """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
         return fp8_active(self.training, self.recipe.use_during_eval)
@@ -96,8 +167,11 @@ class _Fp8Module(nn.Module):
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
+        weight_scale = self.weight_scale if self.weight_in_fp8 else None
         with torch.autocast(device_type, enabled=False):
-            return _Fp8LinearFunction.apply(x, weight, bias, self.amax_history, self.scale, record, config)
+            return _Fp8LinearFunction.apply(
+                x, weight, bias, self.amax_history, self.scale, weight_scale, record, config
+            )
 
     def _fp8_repr(self) -> str:
         r = self.recipe
@@ -136,7 +210,7 @@ class Fp8Linear(_Fp8Module, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.dequantized_weight(), self.bias)
         return self._fp8_forward(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -162,7 +236,8 @@ class Fp8Conv1D(_Fp8Module, Conv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
-            return super().forward(x)
+            out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.dequantized_weight())
+            return out.reshape(*x.shape[:-1], self.nf)
         return self._fp8_forward(x, self.weight.t(), self.bias)
 
     def __repr__(self) -> str:
@@ -218,6 +293,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         amax_history: torch.Tensor,
         scale: torch.Tensor,
+        weight_scale: torch.Tensor | None,
         record: bool,
         config: _GemmConfig,
     ) -> torch.Tensor:
@@ -225,9 +301,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         fmt = config.forward_format
         x_scale = _pick_scale(x2d, INPUT, amax_history, scale, fmt, config, record)
-        w_scale = _pick_scale(weight, WEIGHT, amax_history, scale, fmt, config, record)
         x_fp8 = cast_to_fp8(x2d, x_scale, fmt)
-        w_fp8 = cast_to_fp8(weight, w_scale, fmt)
+        if weight_scale is None:
+            w_scale = _pick_scale(weight, WEIGHT, amax_history, scale, fmt, config, record)
+            w_fp8 = cast_to_fp8(weight, w_scale, fmt)
+        else:  # stored in FP8 (fp8_weights): no cast, no amax
+            w_scale, w_fp8 = weight_scale, weight
+            if record:
+                scale[WEIGHT] = weight_scale
         # W (out, in) as the column-major right operand: free when W is row-major (nn.Linear), one copy
         # when it is stored transposed (Conv1D). dgrad below wants the opposite layout.
         out = _fp8_mm(x_fp8, w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
@@ -247,7 +328,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.input_shape = x.shape
         ctx.input_dtype = x.dtype
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype = weight.dtype  # an FP8 weight is frozen: no gradient in this dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -272,7 +353,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = _fp8_mm(dy_t, x_col_major, dy_scale, x_scale, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_x, grad_w, grad_bias, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 
 def _pick_scale(
