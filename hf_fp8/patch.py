@@ -484,6 +484,7 @@ def _to_fp8(module: nn.Module, recipe: Fp8Recipe, backend: str) -> nn.Module:
     return Fp8Linear.from_float(module, recipe)
 
 
+@torch._dynamo.disable  # it replaces parameters: run eagerly, and let a compiled model re-trace once
 def _quantize_frozen_weights(state: _PatchState) -> None:
     """Store the weights that are frozen by now in FP8 (native ``fp8_weights``)."""
     for module in [m for m in state.unquantized if not m.weight.requires_grad]:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import _Fp8Module, gpu_has_fp8
@@ -40,8 +41,6 @@ from hf_fp8.report import PatchReport
 from hf_fp8.telemetry import Fp8Telemetry
 
 __all__ = ["Fp8Trainer", "Fp8TrainerCallback"]
-
-_CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 
 
 class Fp8TrainerCallback(TrainerCallback):
@@ -76,6 +75,8 @@ class Fp8TrainerCallback(TrainerCallback):
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_logs: dict[str, Any] = {}
         self._loss_hook = None
+        # Where Fp8Trainer.train was told to resume from (a plain Trainer does not tell callbacks).
+        self.resume_from: str | None = None
         if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
             # Checked here: the Trainer builds its Accelerator, which acts on it, before on_init_end.
             warnings.warn(
@@ -87,36 +88,24 @@ class Fp8TrainerCallback(TrainerCallback):
     # ---- set-up -------------------------------------------------------------------------------
 
     def on_init_end(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
-        if model is None:
-            raise ValueError("Fp8TrainerCallback needs the Trainer's model; build the Trainer with model=...")
-        self._model = model
-        if is_patched(model):
-            patched_recipe = model._hf_fp8_state.recipe
-            if self.recipe is not None and self.recipe != patched_recipe:
-                warnings.warn(
-                    "hf_fp8: the model was already patched with another recipe than the callback's; the "
-                    "model's recipe is used. Pass recipe=None, or patch the model with the recipe you want",
-                    stacklevel=2,
-                )
-            self.recipe = patched_recipe
-        else:
-            self.report = patch_model(model, self.recipe, backend=self.backend)
-            self.recipe = self.report.recipe
-        if not is_patched(model):  # recipe.enabled is False: a high-precision run
+        if model is None:  # model_init: the Trainer builds the model in train(), see on_train_begin
             return
-        _check_arguments(args, model)
-        self._telemetry = Fp8Telemetry(model, self.sample_layers)
-        self._loss_hook = model.register_forward_hook(self._watch_loss)
+        self._set_up(model, args)
 
-    def on_train_begin(self, args, state, control, **kwargs) -> None:
-        if self._model is None or not is_patched(self._model) or state.global_step == 0:
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        if model is not None and model is not self._model:  # built by model_init (hyperparameter search)
+            self._set_up(model, args)
+        if self._telemetry is None or state.global_step == 0:
             return
-        folder = _checkpoint_folder(args, state.global_step)
-        if not (folder / FP8_STATE_FILE).is_file():
+        searched = _resume_candidates(args, state.global_step, self.resume_from)
+        folder = next((f for f in searched if (f / FP8_STATE_FILE).is_file()), None)
+        if folder is None:
+            where = ", ".join(str(f) for f in searched)
             warnings.warn(
-                f"hf_fp8: resuming at step {state.global_step}, but {folder / FP8_STATE_FILE} does not "
-                "exist; FP8 scales start afresh from the next step's amaxes, so this run will not follow the "
-                "interrupted one exactly",
+                f"hf_fp8: resuming at step {state.global_step}, but no {FP8_STATE_FILE} in {where}; FP8 "
+                "scales start afresh from the next step's amaxes, so this run will not follow the "
+                "interrupted one exactly. Resume through Fp8Trainer.train(resume_from_checkpoint=...), or "
+                "set TrainingArguments(resume_from_checkpoint=...) to the checkpoint folder",
                 stacklevel=2,
             )
             return
@@ -125,10 +114,30 @@ class Fp8TrainerCallback(TrainerCallback):
             _set_recipe(self._model, recipe)
             self.recipe = recipe
 
-    def on_train_end(self, args, state, control, **kwargs) -> None:
+    def _set_up(self, model: nn.Module, args: Any) -> None:
+        """Patch ``model`` (or take the recipe of an already patched one) and hook it for the guard and
+        the telemetry."""
+        self._model = model
+        if is_patched(model):
+            patched_recipe = model._hf_fp8_state.recipe
+            if self.recipe is not None and self.recipe != patched_recipe:
+                warnings.warn(
+                    "hf_fp8: the model was already patched with another recipe than the callback's; the "
+                    "model's recipe is used. Pass recipe=None, or patch the model with the recipe you want",
+                    stacklevel=3,
+                )
+            self.recipe = patched_recipe
+        else:
+            self.report = patch_model(model, self.recipe, backend=_backend_for(self.backend, args))
+            self.recipe = self.report.recipe
+        if not is_patched(model):  # recipe.enabled is False: a high-precision run
+            self._telemetry = None
+            return
+        _check_arguments(args, model)
+        self._telemetry = Fp8Telemetry(model, self.sample_layers)
         if self._loss_hook is not None:
             self._loss_hook.remove()
-            self._loss_hook = None
+        self._loss_hook = model.register_forward_hook(self._watch_loss)
 
     # ---- each optimizer step ------------------------------------------------------------------
 
@@ -141,7 +150,7 @@ class Fp8TrainerCallback(TrainerCallback):
         if _log_due(args, state):
             self._telemetry.arm()
 
-    def on_pre_optimizer_step(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
         if self._telemetry is None:
             return
         problem = self._find_non_finite()
@@ -179,13 +188,14 @@ class Fp8TrainerCallback(TrainerCallback):
             _end_pending_step(self._model)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self._telemetry is None:
+        if self._telemetry is None or not self._telemetry.armed:
             return
-        if control.should_log or self._telemetry.armed:
-            logs = self._telemetry.collect()
-            logs["fp8/skipped_steps"] = self.skipped_steps
-            logs["fp8/margin"] = self.recipe.margin
-            self._pending_logs = logs if control.should_log else {}
+        logs = self._telemetry.collect()
+        logs["fp8/skipped_steps"] = self.skipped_steps
+        logs["fp8/margin"] = self.recipe.margin
+        # By steps, the log comes right after this step or not at all; by epoch, it takes the newest.
+        if control.should_log or _logging_strategy(args) != "steps":
+            self._pending_logs = logs
 
     def pop_telemetry(self) -> dict[str, Any]:
         """The telemetry of the step about to be logged (once)."""
@@ -201,52 +211,62 @@ class Fp8TrainerCallback(TrainerCallback):
             state.log_history[-1].update(telemetry)
 
     def on_save(self, args, state, control, **kwargs) -> None:
-        if self._telemetry is None or not state.is_world_process_zero:
+        if self._telemetry is None or not args.should_save:
             return
-        folder = _checkpoint_folder(args, state.global_step)
-        if not folder.is_dir():
-            warnings.warn(f"hf_fp8: no checkpoint folder {folder} to put the FP8 state in", stacklevel=2)
+        folder = _saved_checkpoint(args, state.global_step)
+        if folder is None:
+            warnings.warn(
+                f"hf_fp8: no {PREFIX_CHECKPOINT_DIR}-{state.global_step} folder under {args.output_dir} to "
+                f"put {FP8_STATE_FILE} in; this checkpoint will resume without its FP8 scales",
+                stacklevel=2,
+            )
             return
         save_fp8_state(self._model, folder, self.recipe)
 
     # ---- the NaN guard ------------------------------------------------------------------------
 
     def _watch_loss(self, module: nn.Module, args: tuple, outputs: Any) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+        """Keep the loss the model returned (HF models return it first, as ``loss`` or in a tuple)."""
+        if isinstance(outputs, dict):
+            loss = outputs.get("loss")
+        elif isinstance(outputs, tuple) and outputs and torch.is_tensor(outputs[0]) and outputs[0].dim() == 0:
+            loss = outputs[0]
+        else:
+            loss = getattr(outputs, "loss", None)
         if module.training and torch.is_tensor(loss):
             self._losses.append(loss.detach())
 
     @torch.no_grad()
     def _find_non_finite(self) -> str | None:
-        """What is non-finite in this step (loss, gradients, amaxes), or ``None``; one host sync, and
-        one all-reduce when distributed so that every rank takes the same decision."""
+        """What is non-finite in this step (loss, gradients, amaxes per layer and role), or ``None``.
+        One host sync, and one all-reduce of the flags when distributed, so that every rank sees what
+        any rank saw and all take the same decision."""
         model = self._model
-        named_grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        layers = _amax_histories(model)
         device = next(model.parameters()).device
-        checks = [
-            torch.stack(self._losses).isfinite().all() if self._losses else torch.tensor(True, device=device),
-            torch.stack(torch._foreach_norm([g for _, g in named_grads])).isfinite().all()
-            if named_grads
-            else torch.tensor(True, device=device),
-            torch.stack([h.isfinite().all() for _, roles in layers for _, h in roles]).all()
-            if layers
-            else torch.tensor(True, device=device),
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        layers = _amax_histories(model)
+        roles = [(name, role) for name, histories in layers for role, _ in histories]
+        finite = torch.tensor(True, device=device)
+        flags = [
+            torch.stack(self._losses).isfinite().all() if self._losses else finite,
+            torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else finite,
+            *(h.isfinite().all() for _, histories in layers for _, h in histories),
         ]
-        bad = (~torch.stack([c.to(device) for c in checks])).int()
+        bad = (~torch.stack([f.to(device) for f in flags])).int()
         group = default_amax_group()
         if group is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        loss_bad, grad_bad, amax_bad = bad.tolist()
-        if not (loss_bad or grad_bad or amax_bad):
+        loss_bad, grad_bad, *amax_bad = bad.tolist()
+        if not (loss_bad or grad_bad or any(amax_bad)):
             return None
         parts = []
-        if amax_bad:
-            parts.append(_first_non_finite_amax(layers))
+        if any(amax_bad):
+            parts.append(_first_non_finite_amax([r for r, b in zip(roles, amax_bad, strict=True) if b]))
         if loss_bad:
             parts.append("the loss is non-finite")
-        if not parts:  # only the gradients: it arose outside the FP8 layers
-            parts.append(_first_non_finite_gradient(named_grads))
+        if not parts:
+            seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
+            parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
 
 
@@ -262,9 +282,19 @@ class Fp8Trainer(Trainer):
         fp8_callback: Fp8TrainerCallback | None = None,
         **kwargs: Any,
     ) -> None:
+        if fp8_callback is not None and fp8_recipe is not None:
+            raise ValueError(
+                "give Fp8Trainer either fp8_recipe or fp8_callback (whose recipe is used), not both"
+            )
         self.fp8_callback = fp8_callback or Fp8TrainerCallback(recipe=fp8_recipe)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.fp8_callback]
         super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; the callback learns which checkpoint folder it resumes from."""
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self.fp8_callback.resume_from = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(self.fp8_callback.pop_telemetry())
@@ -280,15 +310,16 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
     if getattr(args, "fp16", False):
         warnings.warn(
             "hf_fp8: fp16=True runs everything outside the FP8 layers in float16 under a loss scaler, "
-            "which FP8 training does not need and which overflows more easily; use bf16=True",
+            "which FP8 training does not need and which overflows more easily (the steps the scaler "
+            "would skip reach the NaN guard, which raises by default); use bf16=True",
             stacklevel=3,
         )
-    if backend == "te" and _recomputes_activations(model, args):
+    if backend == "te" and _checkpointing_requested(args):
         raise ValueError(
             "hf_fp8: gradient_checkpointing with the Transformer Engine backend would recompute layers "
             "outside te.autocast; set gradient_checkpointing=False or patch with backend='native'"
         )
-    device = next(model.parameters()).device
+    device = getattr(args, "device", None) or next(model.parameters()).device
     if device.type == "cpu":
         warnings.warn(
             "hf_fp8: the model is on the CPU; FP8 runs with real FP8 casts and torch._scaled_mm, so the "
@@ -305,7 +336,7 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
         )
 
 
-def _recomputes_activations(model: nn.Module, args: Any) -> bool:
+def _checkpointing_requested(args: Any) -> bool:
     """Activation (before transformers 5: gradient) checkpointing is asked for."""
     name = (
         "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
@@ -313,10 +344,23 @@ def _recomputes_activations(model: nn.Module, args: Any) -> bool:
     return bool(getattr(args, name, False))
 
 
+def _backend_for(backend: str, args: Any) -> str:
+    """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
+    Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later)."""
+    if backend != "auto":
+        return backend
+    device = getattr(args, "device", torch.device("cpu"))
+    return "te" if device.type == "cuda" and te_backend.te_usable()[0] else "native"
+
+
+def _logging_strategy(args: Any) -> str:
+    return str(getattr(args, "logging_strategy", "steps")).rsplit(".", 1)[-1].lower()
+
+
 def _log_due(args: Any, state: Any) -> bool:
-    """Whether the step now starting will be logged (DefaultFlowCallback's rule); when the strategy is
-    not by steps, every step is sampled."""
-    strategy = str(getattr(args, "logging_strategy", "steps")).rsplit(".", 1)[-1].lower()
+    """Whether the step now starting will be logged (DefaultFlowCallback's rule). Logging by epoch
+    samples every step and keeps the newest; no logging samples nothing."""
+    strategy = _logging_strategy(args)
     if strategy != "steps":
         return strategy != "no"
     step = state.global_step + 1
@@ -325,8 +369,25 @@ def _log_due(args: Any, state: Any) -> bool:
     return step % every == 0 or (step == 1 and args.logging_first_step)
 
 
-def _checkpoint_folder(args: Any, step: int) -> Path:
-    return Path(args.output_dir) / f"{_CHECKPOINT_PREFIX}-{step}"
+def _resume_candidates(args: Any, step: int, resume_from: str | None) -> list[Path]:
+    """Where the checkpoint being resumed may be: the folder Fp8Trainer.train was given, the one in
+    TrainingArguments, else the Trainer's default place for it."""
+    given = (resume_from, getattr(args, "resume_from_checkpoint", None))
+    return [
+        *(Path(p) for p in given if isinstance(p, str)),
+        Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}",
+    ]
+
+
+def _saved_checkpoint(args: Any, step: int) -> Path | None:
+    """The checkpoint folder the Trainer just wrote for ``step``: under the output folder, or under a
+    hyperparameter-search run folder inside it (the newest, being the one just written)."""
+    name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    direct = Path(args.output_dir) / name
+    if direct.is_dir():
+        return direct
+    runs = sorted(Path(args.output_dir).glob(f"*/{name}"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
 
 
 def _fp8_state_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -362,18 +423,11 @@ def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.T
     return layers
 
 
-def _first_non_finite_amax(layers: list[tuple[str, list[tuple[str, torch.Tensor]]]]) -> str:
-    """The first layer, in forward order, with a non-finite forward amax; else the last with a
-    non-finite gradient amax (the first the backward reached)."""
-    bad = [(name, [r for r, h in roles if not h.isfinite().all()]) for name, roles in layers]
-    forward = [(n, rs) for n, rs in bad if set(rs) & {"input", "weight", "forward"}]
-    name, rs = forward[0] if forward else next((n, rs) for n, rs in reversed(bad) if rs)
-    return f"non-finite amax of {'/'.join(rs)} in layer {name!r}"
-
-
-def _first_non_finite_gradient(named_grads: list[tuple[str, torch.Tensor]]) -> str:
-    """The first parameter the backward reached with a non-finite gradient. Gradient clipping spreads
-    a non-finite norm to every gradient, so with clipping on this is where the backward started."""
-    name = next((n for n, g in reversed(named_grads) if not g.isfinite().all()), None)
-    where = f" (first reached: {name!r})" if name else ""
-    return f"non-finite gradients outside the FP8 layers{where}; the FP8 amaxes and the loss are finite"
+def _first_non_finite_amax(bad: list[tuple[str, str]]) -> str:
+    """Name the layer where it started: the first in forward order with a non-finite forward amax,
+    else the last with a non-finite gradient amax (the first the backward reached). ``bad`` holds the
+    (layer, role) pairs with a non-finite amax, in forward order."""
+    forward = [(n, r) for n, r in bad if r in ("input", "weight", "forward")]
+    layer = forward[0][0] if forward else bad[-1][0]
+    roles = [r for n, r in bad if n == layer]
+    return f"non-finite amax of {'/'.join(roles)} in layer {layer!r}"

@@ -133,3 +133,15 @@ def test_gradient_accumulation_advances_histories_once_per_micro_batch():
         optimizer.zero_grad()
     assert layer.fp8_steps.item() == 5  # six forwards; the last step ends at the next forward
     assert (layer.amax_history[:, 1:6] > 0).all() and (layer.amax_history[:, 6] == 0).all()
+
+
+def test_trainer_ranks_skip_a_step_together_when_one_rank_sees_a_nan(tmp_path):
+    """Fp8TrainerCallback under DDP: rank 1 alone gets a NaN; the flags are reduced, so both ranks
+    skip the step, roll back and go on with the same FP8 state."""
+    worker = Path(__file__).with_name("dist_trainer_worker.py")
+    run([([sys.executable, str(worker), str(tmp_path)], env) for (_, env) in ranks(2)], tmp_path / "log")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in results] == [2, 2]
+    assert [r["skipped"] for r in results] == [1, 1]
+    assert results[0]["history"] == results[1]["history"]
+    assert all(r["finite"] and r["fp8_steps"] == 4 for r in results)

@@ -229,3 +229,32 @@ def test_real_pretrained_minilm_lora_learns_like_high_precision():
     reference, losses = run(fp8=False), run(fp8=True)
     assert reference[-1] < 0.7 * reference[0], "the high-precision LoRA learns"
     assert losses[0] - losses[-1] == pytest.approx(reference[0] - reference[-1], rel=0.05)
+
+
+# ---- on an FP8 GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["native", "te"])
+def test_gpu_lora_with_fp8_base_weights_learns_like_bf16_lora(backend):
+    if backend == "te":
+        pytest.importorskip("transformer_engine.pytorch")
+    batches = [{k: v.cuda() for k, v in b.items()} for b in text_batches(40)]
+    reference = train(lora(tm.build("llama").cuda(), "llama"), batches)
+    model = tm.build("llama").cuda()
+    if backend == "te":  # TE builds FP8 weights for what is frozen when it converts: PEFT first
+        peft_model = lora(model, "llama")
+        report = patch_model(peft_model, LORA_FP8, backend="te")
+    else:
+        report = patch_model(model, LORA_FP8, backend="native")
+        peft_model = lora(model, "llama")
+    losses = train(peft_model, batches)
+    assert report.backend == backend
+    assert tail(losses) == pytest.approx(tail(reference), rel=0.05)
+    base = [m.base_layer for m in peft_model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert len(base) == 14
+    for layer in base:
+        weight = layer.weight
+        stored = getattr(weight, "_rowwise_data", None) if backend == "te" else weight
+        assert stored is not None and stored.dtype in (torch.uint8, torch.float8_e4m3fn), type(weight)
+        assert stored.untyped_storage().nbytes() == weight.numel()

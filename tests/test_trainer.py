@@ -88,7 +88,7 @@ def test_loss_falls_like_bf16_and_telemetry_is_logged(arch, text_rows, tmp_path)
                 assert hasattr(layer, "amax_history"), "an FP8 layer"
             else:
                 assert f"fp8/worst_{key}_layer" not in entry
-        assert entry["grad_norm"] > 0 and entry["fp8/skipped_steps"] == 0
+        assert entry["fp8/skipped_steps"] == 0 and entry["fp8/margin"] == 0
     # Delayed scaling from step 2 on: E5M2 gradients of a 64-wide model flush some tiny values.
     assert any(e["fp8/flushed_bwd"] > 0 for e in logged)
 
@@ -210,9 +210,57 @@ def test_resume_gives_the_uninterrupted_run_exactly(text_rows, tmp_path):
     for (name, p), q in zip(full.model.named_parameters(), again.model.parameters(), strict=True):
         assert torch.equal(p, q), name
 
-    with pytest.warns(UserWarning, match="resuming at step 6, but .* does not exist"):
+    with pytest.warns(UserWarning, match="resuming at step 6, but no fp8_state.safetensors in .*fresh"):
         fresh = resumed("fresh", keep_fp8_state=False)
     assert {s: v for s, v in losses(fresh).items() if s > 6} != later
+
+
+def test_resume_from_a_checkpoint_outside_the_output_folder(text_rows, tmp_path):
+    """Fp8Trainer tells the callback which folder it resumes from; a plain Trainer's callback finds the
+    folder through TrainingArguments(resume_from_checkpoint=...)."""
+    settings = dict(max_steps=8, logging_steps=1, save_strategy="steps", save_steps=4)
+    full = train("llama", text_rows, tmp_path / "full", **settings)
+    checkpoint = tmp_path / "full" / "checkpoint-4"
+    model = tm.build("llama")
+    trainer = Fp8Trainer(
+        model=model, args=arguments(tmp_path / "elsewhere", **settings), train_dataset=text_rows
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    later = {s: v for s, v in losses(full).items() if s > 4}
+    assert {s: v for s, v in losses(trainer).items() if s > 4} == later
+    via_arguments = train(
+        "llama",
+        text_rows,
+        tmp_path / "other",
+        resume=str(checkpoint),
+        resume_from_checkpoint=str(checkpoint),
+        **settings,
+    )
+    assert {s: v for s, v in losses(via_arguments).items() if s > 4} == later
+
+
+def test_epoch_logging_carries_the_telemetry(text_rows, tmp_path):
+    trainer = train(
+        "llama", text_rows[:64], tmp_path, logging_strategy="epoch", max_steps=-1, num_train_epochs=2
+    )
+    epochs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(epochs) == 2
+    assert all(e["fp8/scale_fwd_max"] > 0 and "fp8/saturated_fwd" in e for e in epochs)
+
+
+def test_model_init_builds_a_model_that_gets_patched(text_rows, tmp_path):
+    trainer = Trainer(
+        model_init=lambda: tm.build("llama"),
+        args=arguments(tmp_path, max_steps=4, save_strategy="steps", save_steps=4),
+        train_dataset=text_rows,
+        callbacks=[Fp8TrainerCallback()],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="hf_fp8: the model is on the CPU")
+        trainer.train()
+    assert is_patched(trainer.model)
+    assert trainer.model.model.layers[0].mlp.up_proj.fp8_steps.item() == 4
+    assert (tmp_path / "checkpoint-4" / FP8_STATE_FILE).is_file()
 
 
 def test_fp8_state_file_checks_model_and_recipe(tmp_path):
@@ -322,7 +370,7 @@ def test_gpu_trainer_learns_logs_and_resumes_with_the_saved_fp8_state(backend, t
     assert logged[-1]["loss"] < logged[0]["loss"]
     assert all(e["fp8/scale_fwd_max"] > 0 and e["fp8/scale_bwd_max"] > 0 for e in logged)
     saved = load_file_state(tmp_path / "full" / "checkpoint-6")
-    # Resumed at step 6 with nothing left to train: the model holds exactly the checkpoint's FP8 state.
+    # Resumed at step 6: before its first step the model holds exactly the checkpoint's FP8 state.
     folder = tmp_path / "again"
     shutil.copytree(tmp_path / "full" / "checkpoint-6", folder / "checkpoint-6")
     loaded = {}
@@ -332,9 +380,8 @@ def test_gpu_trainer_learns_logs_and_resumes_with_the_saved_fp8_state(backend, t
             loaded.update(fp8_state_dict(model))
 
     gpu_train(text_rows, folder, backend, resume=True, after=[AfterLoad()], **settings)
-    restored = loaded
-    assert restored.keys() == saved.keys() and len(saved) > 0
-    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+    assert loaded.keys() == saved.keys() and len(saved) > 0
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 def load_file_state(folder):

@@ -1,0 +1,184 @@
+"""Time one LoRA training step of a Llama-shaped model: PEFT in BF16, PEFT over Transformer Engine, and
+hf-fp8 (native and TE) with the frozen base weights stored in FP8. One process, one GPU.
+
+    python benchmarks/lora_bench.py --shape 8b-4l --modes peft-bf16,peft-te,native-compile,te
+
+LoRA r=16, alpha 32 on q, k, v, o, gate, up and down; everything else frozen. Same model (from a
+config, random weights, sdpa attention), same batch (4 x 2048 tokens), AdamW fused over the adapters;
+median of the timed steps after warm-up, peak memory of the timed steps. Ratios between modes of one
+run are what to compare. Also prints the bytes of the base layers' weights as stored.
+
+Modes:
+  peft-bf16             PEFT LoRA on the BF16 model (the baseline)
+  peft-te               accelerate's convert_model under te.quantized_model_init, then PEFT (its TE
+                        dispatch) and te.autocast: the peer with FP8 weights
+  native[-compile]      patch_model(recipe lora-fp8), then PEFT; base GEMMs in FP8 from FP8 weights
+  te                    PEFT, then patch_model(recipe lora-fp8, backend="te"): TE layers, FP8 weights
+  ...-lmhead            the same with the output head in FP8 too (convert_lm_head)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from step_bench import SHAPES, build
+
+import hf_fp8
+
+MODES = (
+    "peft-bf16",
+    "peft-te",
+    "native",
+    "native-compile",
+    "native-compile-lmhead",
+    "te",
+    "te-lmhead",
+)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+
+
+def base_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the LoRA base layers' weights as stored: FP8 data (TE keeps a row-wise and, while it
+    has one, a column-wise copy) or the BF16 tensor."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            weight = module.base_layer.weight
+            copies = [getattr(weight, a, None) for a in ("_rowwise_data", "_columnwise_data", "_data")]
+            copies = [c for c in copies if torch.is_tensor(c)]
+            total += sum(c.nbytes for c in copies) if copies else weight.untyped_storage().nbytes()
+    return total
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    model = build(args.shape)
+    forward_context = contextlib.nullcontext
+    recipe = hf_fp8.RECIPES["lora-fp8"].replace(convert_lm_head=mode.endswith("lmhead"))
+    if mode == "peft-bf16":
+        model = lora(model)
+    elif mode == "peft-te":
+        import transformer_engine.pytorch as te
+        from accelerate import Accelerator
+        from accelerate.utils.transformer_engine import convert_model
+        from transformer_engine.common.recipe import DelayedScaling
+
+        Accelerator()
+        with torch.no_grad(), te.quantized_model_init(enabled=True):
+            convert_model(model.model)
+        model = lora(model)
+        forward_context = functools.partial(te.autocast, enabled=True, recipe=DelayedScaling())
+    elif mode.startswith("native"):
+        hf_fp8.patch_model(model, recipe, backend="native")
+        model = lora(model)
+    elif mode.startswith("te"):
+        model = lora(model)  # frozen before patching: TE creates the base weights in FP8
+        hf_fp8.patch_model(model, recipe, backend="te")
+    step_model = torch.compile(model) if "compile" in mode else model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
+
+    def step() -> torch.Tensor:
+        with forward_context():
+            loss = step_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+        losses.append(loss.item())
+    ms = statistics.median(times)
+    return {
+        "mode": mode,
+        "shape": args.shape,
+        "ms_per_step": ms,
+        "tokens_per_s": args.batch * args.seq / ms * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "base_weight_gib": base_weight_bytes(model) / 2**30,
+        "loss": losses[-1],
+        "warmup_s": warmup_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b-4l")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if any(mode.startswith(("te", "peft-te")) for mode in modes):
+        import transformer_engine.pytorch  # noqa: F401  (before CUDA/cuDNN initialise: see step_bench)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
+        f"batch {args.batch} x {args.seq}, LoRA r=16 on {','.join(TARGETS)}",
+        flush=True,
+    )
+    results = []
+    for mode in modes:
+        try:
+            result = run_mode(mode, args)
+        except Exception as err:  # report and go on: one broken mode must not hide the others
+            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
+        gc.collect()
+        torch.cuda.empty_cache()
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+    base = next((r for r in results if r["mode"] == "peft-bf16" and "error" not in r), None)
+    print(
+        "\n| mode | tokens/s | vs peft-bf16 | ms/step | peak GiB | vs peft-bf16 | base weights GiB | loss |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        memory = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else "-"
+        print(
+            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {speed} | {r['ms_per_step']:.1f} | "
+            f"{r['peak_gib']:.1f} | {memory} | {r['base_weight_gib']:.2f} | {r['loss']:.4f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
