@@ -1,5 +1,6 @@
 """hf-fp8: FP8 training and fine-tuning for HuggingFace Transformers models."""
 
+from hf_fp8 import peft as peft  # hf_fp8.peft.merge_and_unload
 from hf_fp8.autocast import fp8_autocast
 from hf_fp8.backends.native import Fp8Conv1D, Fp8Linear, update_fp8_scales
 from hf_fp8.checkpoint import load_fp8_state, save_fp8_state

@@ -66,15 +66,13 @@ class Fp8Telemetry:
         self.sampled = self.layers[::every][:sample_layers]
         self._counts: dict[str, _Counts] = {}
         self._handles: list[RemovableHandle] = []
-
-    @property
-    def armed(self) -> bool:
-        return bool(self._handles)
+        self.armed = False
 
     def arm(self) -> None:
-        """Sample the casts of the next training forward and backward."""
+        """Sample the casts of the next training forward and backward, and log after the step."""
         if self.armed:
             return
+        self.armed = True
         for name, module in self.sampled:
             counts = self._counts.setdefault(name, _Counts())
             self._handles.append(module.register_forward_hook(_probe(module, counts)))
@@ -84,6 +82,7 @@ class Fp8Telemetry:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.armed = False
         logs: dict[str, float | str] = {}
         logs.update(self._scale_stats())
         logs.update(self._cast_stats())
