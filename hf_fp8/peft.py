@@ -8,16 +8,23 @@ way round), the base layer runs in FP8 and ``lora_A`` / ``lora_B`` stay in high 
 Merging is the one thing PEFT cannot do on FP8 storage: it adds the adapter's delta to
 ``base_layer.weight`` in place, which has no meaning for FP8 values with a scale. :func:`merge_and_unload`
 dequantizes those weights first, lets PEFT merge, and stores the merged weights in FP8 again when
-asked.
+asked. :func:`from_pretrained_fp8` loads a checkpoint straight into FP8 base weights.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+import torch
 from torch import nn
 
 from hf_fp8.backends.native import _Fp8Module
+from hf_fp8.patch import _set_recipe, patch_model
+from hf_fp8.recipe import RECIPES, Fp8Recipe
+from hf_fp8.report import PatchReport
 
-__all__ = ["merge_and_unload"]
+__all__ = ["from_pretrained_fp8", "merge_and_unload"]
 
 
 def merge_and_unload(peft_model: nn.Module, fp8: bool = False, **kwargs) -> nn.Module:
@@ -39,3 +46,46 @@ def merge_and_unload(peft_model: nn.Module, fp8: bool = False, **kwargs) -> nn.M
                 module.weight.requires_grad_(False)
                 module.quantize_weight_()
     return merged
+
+
+def from_pretrained_fp8(
+    path: str | os.PathLike,
+    recipe: Fp8Recipe | None = None,
+    device: str | torch.device | None = None,
+    model_class: type | None = None,
+    **kwargs: Any,
+) -> tuple[nn.Module, PatchReport]:
+    """Load a HF checkpoint as a frozen base model whose linear weights are stored in FP8, for LoRA.
+
+    transformers loads the checkpoint shard by shard into host memory; then each FP8 layer's weight
+    goes to ``device`` alone and is quantized there, so the device holds the FP8 weights plus one
+    layer's weight in its checkpoint precision at most, never the whole model in BF16. Everything
+    else (embeddings, norms, the output head unless ``convert_lm_head``) moves as it is.
+
+    Args:
+        path: a local checkpoint folder (nothing is downloaded at run time).
+        recipe: the FP8 recipe; ``fp8_weights`` is turned on. Default: the ``lora-fp8`` recipe.
+        device: where the model goes (default: the first CUDA GPU if there is one, else the CPU).
+        model_class: the ``transformers`` auto class, ``AutoModelForCausalLM`` by default.
+        kwargs: for ``from_pretrained`` (``dtype``, ``trust_remote_code``, ...).
+
+    Returns the model (every parameter frozen: add adapters with PEFT next) and the patch report.
+    """
+    from transformers import AutoModelForCausalLM
+
+    recipe = (recipe or RECIPES["lora-fp8"]).replace(fp8_weights=True)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_class = model_class or AutoModelForCausalLM
+    kwargs.setdefault("dtype", torch.bfloat16)
+    model = model_class.from_pretrained(path, device_map="cpu", **kwargs)
+    model.requires_grad_(False)
+    # Patched on the host without quantizing, then quantized one layer at a time on the device.
+    report = patch_model(model, recipe.replace(fp8_weights=False), backend="native")
+    for module in model.modules():
+        if isinstance(module, _Fp8Module):
+            module.to(device)
+            module.quantize_weight_()
+    _set_recipe(model, recipe)
+    report.recipe = recipe
+    report.notes.append(f"fp8_weights: loaded from {path} and stored in FP8 layer by layer on {device}")
+    return model.to(device), report

@@ -9,11 +9,12 @@ import torch
 from conftest import ScaledMmCalls
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
 
-from hf_fp8 import RECIPES, Fp8Linear, patch_model, unpatch_model
+from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, patch_model, unpatch_model
 from hf_fp8.backends.native import Fp8Conv1D, _Fp8Module
 from hf_fp8.demo import load_text
-from hf_fp8.peft import merge_and_unload
+from hf_fp8.peft import from_pretrained_fp8, merge_and_unload
 
 LORA_FP8 = RECIPES["lora-fp8"]
 TARGETS = {
@@ -258,3 +259,35 @@ def test_gpu_lora_with_fp8_base_weights_learns_like_bf16_lora(backend):
         stored = getattr(weight, "_data", None) if backend == "te" else weight  # TE: a Float8Tensor
         assert stored is not None and stored.dtype in (torch.uint8, torch.float8_e4m3fn), type(weight)
         assert stored.untyped_storage().nbytes() == weight.numel()
+
+
+def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
+    original = tm.build("llama", dtype=torch.bfloat16)
+    original.save_pretrained(tmp_path)
+    model, report = from_pretrained_fp8(tmp_path, device="cpu")
+    assert report.recipe.fp8_weights and len(report.converted) == 14
+    assert all(not p.requires_grad for p in model.parameters())
+    layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    assert len(layers) == 14 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert model.lm_head.weight.dtype == torch.bfloat16, "the head stays in the checkpoint's precision"
+
+    # The same FP8 model as loading the checkpoint as usual and patching it: identical outputs.
+    original = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).requires_grad_(False)
+    patch_model(original, LORA_FP8)
+    batch = tm.batch_for("llama", 16)
+    with torch.no_grad(), fp8_autocast(enabled=True):
+        assert torch.equal(model.eval()(**batch).logits, original.eval()(**batch).logits)
+
+    peft_model = lora(model, "llama")  # and LoRA goes on top
+    assert train(peft_model, text_batches(3))[-1] < 6.0
+
+
+@pytest.mark.gpu
+def test_gpu_from_pretrained_fp8_never_holds_the_bf16_layers_at_once(tmp_path):
+    tm.build("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model, _ = from_pretrained_fp8(tmp_path, device="cuda")
+    held = torch.cuda.memory_allocated() - before
+    largest_bf16_layer = max(m.weight.numel() * 2 for m in model.modules() if isinstance(m, _Fp8Module))
+    assert torch.cuda.max_memory_allocated() - before <= held + largest_bf16_layer + 2**20
