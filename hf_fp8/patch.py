@@ -9,11 +9,12 @@ blocks are fused (see :mod:`hf_fp8.backends.te`). Everything not converted is re
 
 It also registers forward hooks on the top-level model (removed by :func:`unpatch_model`):
 
-* before the forward, in training: end the previous FP8 step (native: amax histories -> scales, see
-  :func:`hf_fp8.update_fp8_scales`), pad the batch's token dimension to a multiple of 16, and enter
+* before the forward, in training: pad the batch's token dimension to a multiple of 16 and enter
   ``te.autocast`` (TE backend);
-* after the forward, always: leave ``te.autocast`` (so the backward runs outside it, TE's rule) and
-  slice per-token outputs back to the caller's length.
+* after the forward, always: leave ``te.autocast`` (so the backward runs outside it, TE's rule),
+  slice per-token outputs back to the caller's length, and (native backend, training) hook the
+  outputs so that the FP8 step ends when their backward has finished (see
+  :func:`hf_fp8.update_fp8_scales` for what ending a step does).
 
 Hooks are PyTorch's own extension point, so nothing of the model's class or ``forward`` is replaced.
 """
@@ -186,15 +187,10 @@ def _set_recipe(model: nn.Module, recipe: Fp8Recipe) -> None:
         state.te_recipe = te_backend.to_te_recipe(recipe)
 
 
-@torch.no_grad()
 def _end_pending_step(model: nn.Module) -> None:
-    """End the FP8 step whose backward has run now rather than at the next training forward (the same
-    arithmetic, done earlier): the Trainer callback ends each optimizer step here, so the state it
-    checks, logs and saves is the state at the step boundary."""
-    state: _PatchState = getattr(model, _STATE_ATTR)
-    if state.step_pending and state.backend == "native":
-        end_fp8_step(state.fp8_modules, state.amax_group or default_amax_group())
-    state.step_pending = False
+    """End a step still pending (one whose end could not be hooked) now: the Trainer callback calls
+    this at each optimizer step, so the state it checks, logs and saves is the step boundary's."""
+    _close_step(getattr(model, _STATE_ATTR))
 
 
 def _unpatch_te(model: nn.Module, state: _PatchState) -> None:
@@ -594,9 +590,8 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
         _quantize_frozen_weights(state)
     if not call.fp8:
         return None
-    if model.training and state.step_pending and state.backend == "native":  # TE updates its own
-        end_fp8_step(state.fp8_modules, group)
-        state.step_pending = False
+    if model.training and state.step_pending:  # a step whose end could not be hooked
+        _close_step(state)
     batch = _as_kwargs(model, args, kwargs)
     config = getattr(model, "config", None)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
@@ -620,18 +615,29 @@ def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) ->
 
 @torch._dynamo.disable
 def _end_step_after_backward(state: _PatchState, outputs: Any) -> None:
-    """A step ends once a backward has run through this forward's outputs: the next training forward
-    then closes it. Two forwards before one backward (DPO, contrastive losses) are one step, and a
-    forward whose outputs never see a backward (logging, a reference pass) is none."""
+    """A step ends when a backward through this forward's outputs has finished: the autograd engine
+    then runs :func:`_close_step` (amaxes reduced over the ranks, scales updated, histories rolled),
+    before the optimizer step and before DDP's next buffer broadcast. Two forwards before one backward
+    (DPO, contrastive losses) are one step, and a forward whose outputs never see a backward (logging,
+    a reference pass) is none."""
     tensor = _first_tensor_needing_grad(outputs)
-    if tensor is None:  # nothing to hook: count the forward itself
+    if tensor is None:  # nothing to hook: the forward itself counts, closed at the next one
         state.step_pending = True
         return
 
     def backward_reached(grad: torch.Tensor) -> None:
         state.step_pending = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _close_step(state))
 
     tensor.register_hook(backward_reached)
+
+
+@torch.no_grad()
+def _close_step(state: _PatchState) -> None:
+    """End the pending FP8 step (native backend; TE ends its own inside ``te.autocast``)."""
+    if state.step_pending and state.backend == "native":
+        end_fp8_step(state.fp8_modules, state.amax_group or default_amax_group())
+    state.step_pending = False
 
 
 def _first_tensor_needing_grad(outputs: Any) -> torch.Tensor | None:

@@ -3,8 +3,8 @@
 ``Trainer(..., callbacks=[Fp8TrainerCallback()])`` patches the model when the Trainer is built (before
 its optimizer exists), and then, at every optimizer step:
 
-* ends the FP8 step at the step boundary: amaxes reduced over the data-parallel ranks in one
-  all-reduce, scales updated, histories rolled;
+* makes sure the FP8 step has ended (the patched model ends it after each backward: amaxes reduced
+  over the data-parallel ranks in one all-reduce, scales updated, histories rolled);
 * guards against a non-finite loss, gradient or amax, naming the layer, and applies the recipe's
   ``nan_policy`` (``raise``, ``skip_step`` or ``increase_margin``);
 * on logging steps adds FP8 telemetry (:mod:`hf_fp8.telemetry`) to the Trainer's logs;

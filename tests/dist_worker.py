@@ -6,8 +6,9 @@
 
 Trains a tiny Llama for a few steps under DDP (gloo) with each rank on its own slice of one global
 batch, and writes what the test checks to OUT_DIR/rank<R>.json: per step the loss, this rank's own
-amaxes of the step, the amax history and scales every rank should share, and how many all-reduces
-hf-fp8 issued. With one process it trains on the whole global batch: the single-process reference.
+amaxes of the step (before their reduction), the amax history and scales every rank should share, and
+how many all-reduces hf-fp8 issued. With one process it trains on the whole global batch: the
+single-process reference.
 """
 
 import faulthandler
@@ -20,13 +21,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_models as tm
+from peft import LoraConfig, get_peft_model
 
 from hf_fp8 import patch_model
 
 STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, wrap: str = "") -> None:
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
     distributed = "RANK" in os.environ  # set for each rank; one plain process (hf-fp8 launch --cpu) not
     if distributed:
@@ -34,16 +36,23 @@ def main(out_dir: str) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = tm.build("llama")
     report = patch_model(model)  # recipe: HF_FP8_RECIPE from the launcher, or the defaults
-    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     layer = model.model.layers[0].mlp.down_proj
+    if wrap == "peft":  # LoRA added after patching: DDP then wraps a model whose root is PEFT's
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
 
-    calls = {"all_reduce": 0}
+    own = {}
     all_reduce = dist.all_reduce
+    calls = {"all_reduce": 0}
+    patched = model.get_base_model() if wrap == "peft" else model
+    index = patched._hf_fp8_state.fp8_modules.index(layer)
 
-    def counting_all_reduce(*args, **kwargs):  # DDP's gradient buckets go through C++, not here
+    def counting_all_reduce(tensor, *args, **kwargs):  # DDP's gradient buckets go through C++, not here
         calls["all_reduce"] += 1
-        return all_reduce(*args, **kwargs)
+        own["amax"] = tensor[index].tolist()  # this rank's own newest amaxes, before the reduction
+        return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counting_all_reduce
     per_rank = GLOBAL_BATCH // world
@@ -54,17 +63,18 @@ def main(out_dir: str) -> None:
         ids = ids[rank * per_rank : (rank + 1) * per_rank]  # each rank its own rows
         before = calls["all_reduce"]
         loss = trained(input_ids=ids, labels=ids).loss
-        shared = {"history": layer.amax_history[:, 1:4].tolist(), "scale": layer.scale.tolist()}
-        loss.backward()
+        loss.backward()  # the FP8 step ends when the backward has finished
         optimizer.step()
         optimizer.zero_grad()
         records.append(
             {
                 "step": step,
                 "loss": loss.item(),
-                "own_amax": layer.amax_history[:, 0].tolist(),  # this step's, not reduced yet
+                "own_amax": own.get("amax"),
                 "all_reduce_calls": calls["all_reduce"] - before,
-                **shared,
+                # Slot 1 holds the step just ended, reduced; the scales are the next step's.
+                "history": layer.amax_history[:, 1:4].tolist(),
+                "scale": layer.scale.tolist(),
             }
         )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -75,7 +85,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
     # Leave without the interpreter's teardown: a rank has been seen to hang there, in the destructors
     # of DDP and gloo objects, after its work was done and written.
     os._exit(0)

@@ -297,25 +297,28 @@ def test_use_during_eval_runs_fp8_in_eval():
     assert len(mm.calls) == 14
 
 
-def test_scales_advance_once_per_training_forward():
+def test_scales_advance_once_per_training_step():
     model = tm.build("llama")
     patch_model(model)
     layer = model.model.layers[0].mlp.down_proj
     for _ in range(3):
         model(**tm.batch_for("llama", 16)).loss.backward()
-    # The update for a step runs at the start of the next training forward.
-    assert layer.fp8_steps.item() == 2
-    assert (layer.amax_history[:, 1:3] > 0).all() and (layer.amax_history[:, 3] == 0).all()
+    # Each step ends when its backward has finished: three steps, slot 0 free for the next.
+    assert layer.fp8_steps.item() == 3
+    assert (layer.amax_history[:, 1:4] > 0).all() and (layer.amax_history[:, [0, 4]] == 0).all()
     with torch.no_grad():
         model.eval()
         model(**tm.batch_for("llama", 16))
         model.train()
-    assert layer.fp8_steps.item() == 2, "eval forwards are not training steps"
+    assert layer.fp8_steps.item() == 3, "eval forwards are not training steps"
     history = layer.amax_history.clone()
     with torch.no_grad():
         model(**tm.batch_for("llama", 16))
-    model(**tm.batch_for("llama", 16))
-    assert layer.fp8_steps.item() == 3, "nor are no_grad forwards in training mode"
+    assert layer.fp8_steps.item() == 3 and torch.equal(layer.amax_history, history), (
+        "nor are no_grad forwards in training mode"
+    )
+    model(**tm.batch_for("llama", 16)).loss.backward()
+    assert layer.fp8_steps.item() == 4
     assert torch.equal(layer.amax_history[:, 2:], history[:, 1:-1])
 
 
@@ -327,11 +330,12 @@ def test_a_step_ends_only_after_its_backward():
     patch_model(model)
     layer = model.model.layers[0].mlp.down_proj
     chosen, rejected = model(**tm.batch_for("llama", 16, seed=1)), model(**tm.batch_for("llama", 16, seed=2))
+    assert layer.fp8_steps.item() == 0, "no step ends before its backward"
     (chosen.loss - rejected.loss).backward()
-    model(**tm.batch_for("llama", 16, seed=3))  # ends the step of the pair above: one step
-    assert layer.fp8_steps.item() == 1
+    assert layer.fp8_steps.item() == 1, "the pair is one step, ended by its backward"
     assert layer.amax_history[2, 1] > 0, "the pair's gradient amax is in the step it belongs to"
-    model(**tm.batch_for("llama", 16, seed=4))  # the previous forward had no backward
+    model(**tm.batch_for("llama", 16, seed=3))  # a forward without a backward
+    model(**tm.batch_for("llama", 16, seed=4))
     assert layer.fp8_steps.item() == 1
 
 
@@ -531,7 +535,7 @@ def test_patched_model_compiles_and_trains():
         ref_loss.backward()
         assert torch.allclose(loss, ref_loss, rtol=1e-5), step
     layer, ref_layer = model.model.layers[0].mlp.up_proj, reference.model.layers[0].mlp.up_proj
-    assert torch.equal(layer.fp8_steps, ref_layer.fp8_steps) and layer.fp8_steps.item() == 2
+    assert torch.equal(layer.fp8_steps, ref_layer.fp8_steps) and layer.fp8_steps.item() == 3
     assert torch.allclose(layer.scale, ref_layer.scale)
 
 

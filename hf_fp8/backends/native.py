@@ -251,9 +251,9 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
     The step's amaxes are first reduced over ``group`` (default: the world group when distributed),
     in one all-reduce. Then, for delayed scaling, each role's new scale is computed from its amax
     history (``max`` over it, or its ``most_recent`` entry, which is the step just finished) every
-    ``interval`` steps, and the histories roll so slot 0 is free for the next step. ``patch_model``
-    does this at the start of each training forward; call it yourself once per step when you use
-    ``Fp8Linear`` without it.
+    ``interval`` steps, and the histories roll so slot 0 is free for the next step. A patched model
+    does this when the backward of each training forward has finished; call it yourself once per
+    step when you use ``Fp8Linear`` without ``patch_model``.
     """
     modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
     end_fp8_step(modules, group or default_amax_group())
