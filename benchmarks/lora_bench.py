@@ -22,15 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
-import json
-import statistics
 import sys
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
-from step_bench import SHAPES, build
+from step_bench import SHAPES, build, measure, run_all
 
 import hf_fp8
 
@@ -99,32 +95,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    start = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        loss = step()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-        losses.append(loss.item())
-    ms = statistics.median(times)
-    return {
-        "mode": mode,
-        "shape": args.shape,
-        "ms_per_step": ms,
-        "tokens_per_s": args.batch * args.seq / ms * 1e3,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "base_weight_gib": base_weight_bytes(model) / 2**30,
-        "loss": losses[-1],
-        "warmup_s": warmup_s,
-    }
+    result = {"mode": mode, "shape": args.shape, **measure(step, args)}
+    result["base_weight_gib"] = base_weight_bytes(model) / 2**30
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,19 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {args.batch} x {args.seq}, LoRA r=16 on {','.join(TARGETS)}",
         flush=True,
     )
-    results = []
-    for mode in modes:
-        try:
-            result = run_mode(mode, args)
-        except Exception as err:  # report and go on: one broken mode must not hide the others
-            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
-        gc.collect()
-        torch.cuda.empty_cache()
-        results.append(result)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    results = run_all(modes, run_mode, args)
 
     base = next((r for r in results if r["mode"] == "peft-bf16" and "error" not in r), None)
     print(

@@ -101,6 +101,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    return {"mode": mode, "shape": args.shape, **measure(step, args)}
+
+
+def measure(step, args: argparse.Namespace) -> dict:
+    """Run ``step`` ``args.warmup`` times, then time ``args.steps`` runs with CUDA events: the median
+    step, tokens/s, the peak memory of the timed steps and the last loss."""
     start = time.perf_counter()
     for _ in range(args.warmup):
         step()
@@ -117,16 +123,32 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         times.append(begin.elapsed_time(end))
         losses.append(loss.item())
     ms = statistics.median(times)
-    result = {
-        "mode": mode,
-        "shape": args.shape,
+    return {
         "ms_per_step": ms,
         "tokens_per_s": args.batch * args.seq / ms * 1e3,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": losses[-1],
         "warmup_s": warmup_s,
     }
-    return result
+
+
+def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
+    """``run_mode`` for each mode, one after the other, each printed (and appended to ``args.out``) as
+    it finishes; a mode that fails is reported and the others still run."""
+    results = []
+    for mode in modes:
+        try:
+            result = run_mode(mode, args)
+        except Exception as err:  # report and go on: one broken mode must not hide the others
+            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
+        gc.collect()
+        torch.cuda.empty_cache()
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,19 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {args.batch} x {args.seq}",
         flush=True,
     )
-    results = []
-    for mode in modes:
-        try:
-            result = run_mode(mode, args)
-        except Exception as err:  # report and go on: one broken mode must not hide the others
-            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
-        gc.collect()
-        torch.cuda.empty_cache()
-        results.append(result)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    results = run_all(modes, run_mode, args)
 
     base = next((r for r in results if r["mode"] == "bf16" and "error" not in r), None)
     print("\n| mode | tokens/s | vs bf16 | ms/step | peak GiB | loss |\n|---|---|---|---|---|---|")
