@@ -26,7 +26,7 @@ import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
-from step_bench import SHAPES, build, measure, run_all
+from step_bench import build, measure, parse_arguments, run_all
 
 import hf_fp8
 
@@ -101,19 +101,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b-4l")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", help="append JSON lines here")
-    args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    args, modes = parse_arguments(__doc__.splitlines()[0], MODES, "8b-4l", argv)
     if any(mode.startswith(("te", "peft-te")) for mode in modes):
         import transformer_engine.pytorch  # noqa: F401  (before CUDA/cuDNN initialise: see step_bench)
     print(

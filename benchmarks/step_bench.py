@@ -151,20 +151,28 @@ def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    parser.add_argument("--modes", default=",".join(MODES))
+def parse_arguments(
+    description: str, modes: tuple[str, ...], shape: str, argv: list[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """The command line every benchmark here takes, and the modes it asks for (checked)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=shape)
+    parser.add_argument("--modes", default=",".join(modes))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
+    chosen = args.modes.split(",")
+    unknown = sorted(set(chosen) - set(modes))
     if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+        parser.error(f"unknown modes {unknown}; choose from {list(modes)}")
+    return args, chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, modes = parse_arguments(__doc__.splitlines()[0], MODES, "1b", argv)
 
     if any("te" in mode.split("-") for mode in modes):
         # Import Transformer Engine before CUDA and cuDNN are initialised: imported later, on some hosts
