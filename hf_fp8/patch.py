@@ -145,9 +145,27 @@ def patch_model(
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
         state.handles += te_backend.install_state_dict_hooks(model)
+    _hook_forward(model, state)
+    return state.report
+
+
+def _hook_forward(model: nn.Module, state: _PatchState) -> None:
     state.handles.append(model.register_forward_pre_hook(_before_forward, with_kwargs=True))
     state.handles.append(model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
-    return state.report
+
+
+def _move_patch(source: nn.Module, target: nn.Module) -> None:
+    """Hand a native patch from ``source`` to ``target``, a module inside it that becomes the model
+    (PEFT's ``merge_and_unload`` returns the base model of the PeftModel that was patched)."""
+    state: _PatchState = getattr(source, _STATE_ATTR)
+    if state.backend != "native":
+        raise NotImplementedError("only a native-backend patch can move to another module")
+    for handle in state.handles:
+        handle.remove()
+    state.handles.clear()
+    delattr(source, _STATE_ATTR)
+    setattr(target, _STATE_ATTR, state)
+    _hook_forward(target, state)
 
 
 def plan_patch(model: nn.Module, recipe: Fp8Recipe | None = None) -> PatchReport:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from hf_fp8.backends.native import _Fp8Module
-from hf_fp8.patch import _set_recipe, patch_model
+from hf_fp8.patch import _STATE_ATTR as _PATCH_STATE
+from hf_fp8.patch import _move_patch, _set_recipe, patch_model
 from hf_fp8.recipe import RECIPES, Fp8Recipe
 from hf_fp8.report import PatchReport
 
@@ -39,7 +40,12 @@ def merge_and_unload(peft_model: nn.Module, fp8: bool = False, **kwargs) -> nn.M
     stored_in_fp8 = [m for m in base.modules() if isinstance(m, _Fp8Module) and m.weight_in_fp8]
     for module in stored_in_fp8:
         module.dequantize_weight_()
+    # PEFT first, then patch_model: the hooks are on the PeftModel itself (its attribute lookups also
+    # reach the base model's, hence vars()).
+    patched_root = _PATCH_STATE in vars(peft_model)
     merged = peft_model.merge_and_unload(**kwargs)
+    if patched_root:
+        _move_patch(peft_model, merged)
     if fp8:
         for module in merged.modules():
             if isinstance(module, _Fp8Module):
@@ -58,9 +64,9 @@ def from_pretrained_fp8(
     """Load a HF checkpoint as a frozen base model whose linear weights are stored in FP8, for LoRA.
 
     transformers loads the checkpoint shard by shard into host memory; then each FP8 layer's weight
-    goes to ``device`` alone and is quantized there, so the device holds the FP8 weights plus one
-    layer's weight in its checkpoint precision at most, never the whole model in BF16. Everything
-    else (embeddings, norms, the output head unless ``convert_lm_head``) moves as it is.
+    goes to ``device`` alone and is quantized there, so besides the FP8 weights the device holds one
+    layer's weight and its quantization temporaries at a time, never the whole model in BF16.
+    Everything else (embeddings, norms, the output head unless ``convert_lm_head``) moves as it is.
 
     Args:
         path: a local checkpoint folder (nothing is downloaded at run time).

@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, patch_model, unpatch_model
+from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, is_patched, patch_model, unpatch_model
 from hf_fp8.backends.native import Fp8Conv1D, _Fp8Module
 from hf_fp8.demo import load_text
 from hf_fp8.peft import from_pretrained_fp8, merge_and_unload
@@ -282,12 +282,69 @@ def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
     assert train(peft_model, text_batches(3))[-1] < 6.0
 
 
-@pytest.mark.gpu
-def test_gpu_from_pretrained_fp8_never_holds_the_bf16_layers_at_once(tmp_path):
-    tm.build("llama", dtype=torch.bfloat16).save_pretrained(tmp_path)
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    model, _ = from_pretrained_fp8(tmp_path, device="cuda")
-    held = torch.cuda.memory_allocated() - before
-    largest_bf16_layer = max(m.weight.numel() * 2 for m in model.modules() if isinstance(m, _Fp8Module))
-    assert torch.cuda.max_memory_allocated() - before <= held + largest_bf16_layer + 2**20
+def test_fp8_weights_survive_dtype_and_device_moves():
+    """``model.to(dtype)`` (the Trainer's bf16_full_eval does it) must not cast the FP8 values: the
+    weight keeps them and its scale, and the dtype change becomes the layer's compute dtype."""
+    peft_model = fp8_lora("llama", "patch_first")
+    probe = tm.batch_for("llama", 16)
+    peft_model.eval()
+    with torch.no_grad():
+        before = peft_model(**probe).logits
+        layer = peft_model.base_model.model.model.layers[0].mlp.up_proj.base_layer
+        weight, stored = layer.weight, layer.weight.detach().clone()
+        peft_model.to(torch.bfloat16)
+        after = peft_model(**probe).logits
+    assert (
+        layer.weight is weight and torch.equal(layer.weight, stored) and weight.dtype == torch.float8_e4m3fn
+    )
+    assert layer.weight_scale.dtype == torch.float32 and layer.compute_dtype == torch.bfloat16
+    assert (after.float() - before).norm() / before.norm() < 2.0**-5, "bf16 rounding, nothing more"
+
+
+def test_adapters_on_a_stored_fp8_base_are_not_rounded_to_fp8():
+    """PEFT gives new adapters the base layer's dtype: it reads ``compute_dtype``, not the FP8 one, so
+    the adapters start exactly as on a plain BF16 base."""
+    plain = lora(tm.build("llama", dtype=torch.bfloat16), "llama")
+    model = tm.build("llama", dtype=torch.bfloat16).requires_grad_(False)
+    patch_model(model, LORA_FP8)  # frozen already: stored in FP8 now
+    peft_model = lora(model, "llama")
+
+    def lora_a(m):
+        return m.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight
+
+    assert model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(lora_a(peft_model), lora_a(plain))
+
+
+def test_a_stored_fp8_weight_refuses_to_train():
+    model = tm.build("llama").requires_grad_(False)
+    patch_model(model, LORA_FP8)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    with pytest.raises(
+        RuntimeError, match=r"stored in FP8 \(fp8_weights\) and cannot train.*dequantize_weight_"
+    ):
+        model(**tm.batch_for("llama", 16))
+
+
+def test_quantizing_keeps_the_parameter_object():
+    """DDP, optimizers and tied references hold the Parameter: it must stay the same object."""
+    model = tm.build("llama")
+    layer = model.model.layers[0].mlp.up_proj
+    weight = layer.weight
+    patch_model(model, LORA_FP8)
+    model.requires_grad_(False)
+    model(**tm.batch_for("llama", 16))
+    assert model.model.layers[0].mlp.up_proj.weight is weight and weight.dtype == torch.float8_e4m3fn
+
+
+def test_merge_after_peft_first_keeps_the_model_patched():
+    peft_model = fp8_lora("llama", "peft_first")
+    train(peft_model, text_batches(2))
+    merged = merge_and_unload(peft_model)
+    assert is_patched(merged) and "_hf_fp8_state" not in vars(peft_model)
+    layer = merged.model.layers[0].mlp.up_proj
+    steps = layer.fp8_steps.item()
+    merged.train()
+    merged.lm_head.requires_grad_(True)  # merged: everything else frozen
+    merged(**tm.batch_for("llama", 16)).loss.backward()
+    assert layer.fp8_steps.item() == steps + 1, "the moved hooks still end steps"

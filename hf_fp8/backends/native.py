@@ -87,9 +87,12 @@ class _Fp8Module(nn.Module):
 
     @torch.no_grad()
     def quantize_weight_(self) -> None:
-        """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once. The
-        parameter keeps its name and shape (what PEFT and HF code read), its dtype becomes the FP8
-        format's, ``weight_scale`` holds the scale and the high-precision values are freed."""
+        """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once.
+
+        The parameter stays the same object (optimizers, DDP and tied references keep pointing at
+        it) with the same shape and device; its data becomes the FP8 values, ``weight_scale`` holds
+        the scale, and ``compute_dtype`` the original dtype, which PEFT reads for its adapters.
+        """
         if self.weight_in_fp8:
             return
         if self.weight.requires_grad:
@@ -101,26 +104,52 @@ class _Fp8Module(nn.Module):
         weight = self.weight
         scale = compute_scale(weight.abs().amax().float(), fmt, self.recipe.margin)
         self.weight_dtype = weight.dtype
-        self.weight = nn.Parameter(cast_to_fp8(weight, scale, fmt), requires_grad=False)
+        weight.data = cast_to_fp8(weight.data, scale, fmt)
         self.register_buffer("weight_scale", scale, persistent=False)
 
     @torch.no_grad()
     def dequantize_weight_(self) -> None:
         """Undo :meth:`quantize_weight_`: the weight back in its original dtype (FP8-rounded values)."""
         if self.weight_in_fp8:
-            self.weight = nn.Parameter(self.dequantized_weight(), requires_grad=False)
+            self.weight.data = self.dequantized_weight()
             del self.weight_scale
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight in its original dtype (a temporary when it is stored in FP8)."""
+    def dequantized_weight(self, device: torch.device | None = None) -> torch.Tensor:
+        """The weight in its original dtype (a temporary when it is stored in FP8), on ``device``."""
         if not self.weight_in_fp8:
             return self.weight
-        return (self.weight.float() / self.weight_scale).to(self.weight_dtype)
+        weight, scale = self.weight.detach(), self.weight_scale
+        if device is not None:
+            weight, scale = weight.to(device), scale.to(device)
+        return (weight.float() / scale).to(self.weight_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in outside FP8: the weight's, or the one it was stored from."""
+        return self.weight_dtype if self.weight_in_fp8 else self.weight.dtype
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.cuda()``, ``.half()`` and the like: a weight stored in FP8 moves between devices
+        but keeps its FP8 values and float32 scale; a dtype change becomes its ``compute_dtype``."""
+        if not self.weight_in_fp8:
+            return super()._apply(fn, recurse)
+        weight, scale = self._parameters.pop("weight"), self._buffers.pop("weight_scale")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"], self._buffers["weight_scale"] = weight, scale
+        target = fn(torch.empty(0, dtype=self.weight_dtype, device=weight.device))
+        if target.is_floating_point():
+            self.weight_dtype = target.dtype
+        if target.device != weight.device:
+            weight.data = weight.data.to(target.device)
+            self._buffers["weight_scale"] = scale.to(target.device)
+        return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.weight_in_fp8:  # checkpoints keep HF's dtype
-            destination[prefix + "weight"] = self.dequantized_weight().detach()
+        if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
+            destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         """A weight stored in FP8 takes a high-precision checkpoint weight by quantizing it."""
@@ -168,6 +197,11 @@ class _Fp8Module(nn.Module):
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
         weight_scale = self.weight_scale if self.weight_in_fp8 else None
+        if weight_scale is not None and weight.requires_grad:
+            raise RuntimeError(
+                "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
+                "call dequantize_weight_() first to train it in its original precision"
+            )
         with torch.autocast(device_type, enabled=False):
             return _Fp8LinearFunction.apply(
                 x, weight, bias, self.amax_history, self.scale, weight_scale, record, config
