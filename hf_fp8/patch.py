@@ -136,12 +136,22 @@ def patch_model(
         state.fp8_modules = [m for m in model.modules() if isinstance(m, _Fp8Module)]
         _keep_fp8_state_out_of_ddp_broadcast(model)
         if recipe.fp8_weights:
-            state.unquantized = list(state.fp8_modules)
+            # A weight another module also uses (tied embeddings) must keep its dtype for that module.
+            shared = {
+                id(p) for m in model.modules() if not isinstance(m, _Fp8Module) for p in m.parameters(False)
+            }
+            state.unquantized = [m for m in state.fp8_modules if id(m.weight) not in shared]
             _quantize_frozen_weights(state)
             state.report.notes.append(
                 "fp8_weights: frozen weights are stored in FP8 (now, or at the first forward after they are "
                 "frozen, e.g. by PEFT); trainable weights keep their dtype"
             )
+            tied = len(state.fp8_modules) - len(state.unquantized) - _count_quantized(state.fp8_modules)
+            if tied:
+                state.report.notes.append(
+                    f"fp8_weights: {tied} weight(s) tied to another module (e.g. the input embeddings) keep "
+                    "their dtype"
+                )
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
         state.handles += te_backend.install_state_dict_hooks(model)
@@ -504,6 +514,10 @@ def _quantize_frozen_weights(state: _PatchState) -> None:
     for module in [m for m in state.unquantized if not m.weight.requires_grad]:
         module.quantize_weight_()
         state.unquantized.remove(module)
+
+
+def _count_quantized(modules: list[nn.Module]) -> int:
+    return sum(m.weight_in_fp8 for m in modules)
 
 
 def _to_plain(module: _Fp8Module) -> nn.Module:

@@ -348,3 +348,14 @@ def test_merge_after_peft_first_keeps_the_model_patched():
     merged.lm_head.requires_grad_(True)  # merged: everything else frozen
     merged(**tm.batch_for("llama", 16)).loss.backward()
     assert layer.fp8_steps.item() == steps + 1, "the moved hooks still end steps"
+
+
+def test_a_weight_tied_to_the_embeddings_keeps_its_dtype():
+    model = tm.build("gemma").requires_grad_(False)  # lm_head tied to embed_tokens
+    report = patch_model(model, LORA_FP8.replace(convert_lm_head=True))
+    assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+    assert any("1 weight(s) tied" in note for note in report.notes)
+    model(**tm.batch_for("gemma", 16))
+    assert model.lm_head.weight.dtype == torch.float32, "not at the first forward either"
