@@ -9,7 +9,16 @@ import tiny_models as tm
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_fp8 import Fp8Recipe, Fp8Trainer, Fp8TrainerCallback, is_patched, load_fp8_state, save_fp8_state
+from hf_fp8 import (
+    RECIPES,
+    Fp8Recipe,
+    Fp8Trainer,
+    Fp8TrainerCallback,
+    is_patched,
+    load_fp8_state,
+    patch_model,
+    save_fp8_state,
+)
 from hf_fp8.backends.native import Fp8Linear
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_dict
 from hf_fp8.demo import load_text
@@ -293,8 +302,6 @@ def test_conflicting_arguments_warn(tmp_path, monkeypatch):
 
 
 def test_an_already_patched_model_keeps_its_recipe(tmp_path):
-    from hf_fp8 import patch_model
-
     model = tm.build("llama")
     patch_model(model, Fp8Recipe(margin=1))
     callback = Fp8TrainerCallback(Fp8Recipe())
@@ -398,3 +405,37 @@ def test_gpu_te_nan_is_caught_in_its_step(text_rows, tmp_path):
     layer = "model.layers.1.self_attn.o_proj"  # a TE Linear (q/k/v and the MLP are fused blocks)
     with pytest.raises(FloatingPointError, match=r"step 3: .*the loss is non-finite\. The weights are not"):
         gpu_train(text_rows, tmp_path, "te", callbacks=[_InjectNaN(layer, 3)], max_steps=5)
+
+
+def test_lora_with_fp8_base_weights_under_the_trainer_resumes_exactly(text_rows, tmp_path):
+    """The usual LoRA fine-tune: patch with lora-fp8, PEFT, Trainer with the callback; checkpoints
+    hold the adapter and the FP8 state, and a resumed run follows the uninterrupted one."""
+    from peft import LoraConfig, get_peft_model
+
+    def run(out, resume=None):
+        model = tm.build("llama")
+        patch_model(model, RECIPES["lora-fp8"])
+        torch.manual_seed(1)
+        peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        settings = dict(max_steps=8, logging_steps=1, save_strategy="steps", save_steps=4, learning_rate=2e-2)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="hf_fp8: the model is on the CPU")
+            trainer = Trainer(
+                model=peft_model,
+                args=arguments(out, **settings),
+                train_dataset=text_rows,
+                callbacks=[Fp8TrainerCallback()],
+            )
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    up = full.model.base_model.model.model.layers[0].mlp.up_proj.base_layer
+    assert up.weight.dtype == torch.float8_e4m3fn and fp8_callback(full).recipe.fp8_weights
+    assert losses(full)[8] < losses(full)[1]
+    assert (tmp_path / "full" / "checkpoint-4" / FP8_STATE_FILE).is_file()
+    shutil.copytree(tmp_path / "full" / "checkpoint-4", tmp_path / "again" / "checkpoint-4")
+    again = run(tmp_path / "again", resume=True)
+    assert {s: v for s, v in losses(again).items() if s > 4} == {
+        s: v for s, v in losses(full).items() if s > 4
+    }
