@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_models as tm
 from peft import LoraConfig, get_peft_model
 
-from hf_fp8 import patch_model
+from hf_fp8 import RECIPES, patch_model
 
 STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
 
@@ -35,18 +35,25 @@ def main(out_dir: str, wrap: str = "") -> None:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = tm.build("llama")
-    report = patch_model(model)  # recipe: HF_FP8_RECIPE from the launcher, or the defaults
-    layer = model.model.layers[0].mlp.down_proj
-    if wrap == "peft":  # LoRA added after patching: DDP then wraps a model whose root is PEFT's
-        torch.manual_seed(1)
-        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(1)
+    if wrap == "peft-fp8":  # LoRA first, then the frozen base patched and stored in FP8
+        model = get_peft_model(model, lora)
+        report = patch_model(model, RECIPES["lora-fp8"])
+        patched = model
+        layer = model.get_base_model().model.layers[0].mlp.down_proj.base_layer  # the FP8 one
+    else:
+        report = patch_model(model)  # recipe: HF_FP8_RECIPE from the launcher, or the defaults
+        patched = model
+        layer = model.model.layers[0].mlp.down_proj
+        if wrap == "peft":  # LoRA added after patching: DDP then wraps a model whose root is PEFT's
+            model = get_peft_model(model, lora)
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
 
     own = {}
     all_reduce = dist.all_reduce
     calls = {"all_reduce": 0}
-    patched = model.get_base_model() if wrap == "peft" else model
     index = patched._hf_fp8_state.fp8_modules.index(layer)
 
     def counting_all_reduce(tensor, *args, **kwargs):  # DDP's gradient buckets go through C++, not here

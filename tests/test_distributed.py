@@ -104,11 +104,13 @@ def test_one_all_reduce_per_step(runs):
     )
 
 
-def test_patch_then_peft_then_ddp_keeps_each_ranks_own_amaxes(tmp_path):
-    """LoRA added after patching makes PEFT's model the root DDP wraps, whose buffer names the FP8
-    layers' ignore list does not know; the steps end at the end of their backward, so DDP's next
-    broadcast finds the histories already reduced and equal on every rank."""
-    run([([*cmd, str(tmp_path), "peft"], env) for cmd, env in ranks(2)], tmp_path / "log")
+@pytest.mark.parametrize("wrap", ["peft", "peft-fp8"])
+def test_lora_under_ddp_keeps_each_ranks_own_amaxes(wrap, tmp_path):
+    """``peft``: LoRA added after patching makes PEFT's model the root DDP wraps, whose buffer names
+    the FP8 layers' ignore list does not know; the steps end at the end of their backward, so DDP's
+    next broadcast finds the histories already reduced and equal on every rank. ``peft-fp8``: PEFT
+    first, then the frozen base stored in FP8, which DDP broadcasts at start-up."""
+    run([([*cmd, str(tmp_path), wrap], env) for cmd, env in ranks(2)], tmp_path / "log")
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2))
     for step0, step1 in zip(rank0, rank1, strict=True):
         assert step0["own_amax"] != step1["own_amax"]

@@ -15,8 +15,16 @@ from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, is_patched, patch_model, un
 from hf_fp8.backends.native import Fp8Conv1D, _Fp8Module
 from hf_fp8.demo import load_text
 from hf_fp8.peft import from_pretrained_fp8, merge_and_unload
+from hf_fp8.stored_weight import Fp8StoredWeight
 
 LORA_FP8 = RECIPES["lora-fp8"]
+
+
+def stored_in_fp8(weight) -> bool:
+    """The weight is held as E4M3 values plus a scale (while reporting its original dtype)."""
+    return isinstance(weight, Fp8StoredWeight) and weight._data.dtype == torch.float8_e4m3fn
+
+
 TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
@@ -25,8 +33,12 @@ TARGETS = {
 
 
 def lora(model, arch: str):
+    return lora_for(model, TARGETS[arch])
+
+
+def lora_for(model, targets: list[str]):
     torch.manual_seed(1)  # the same adapters for every run
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS[arch])
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's note on fan_in_fan_out for GPT-2's Conv1D
         return get_peft_model(model, config)
@@ -82,7 +94,7 @@ def test_lora_learns_like_high_precision_lora_in_either_order(arch, order):
     base_layers = [m for m in peft_model.modules() if isinstance(m, _Fp8Module)]
     expected = {"llama": 14, "gpt2": 8}[arch]  # 7 / 4 targeted GEMMs a block, 2 blocks
     assert len(base_layers) == expected
-    assert all(m.weight.dtype == torch.float8_e4m3fn and not m.weight.requires_grad for m in base_layers)
+    assert all(stored_in_fp8(m.weight) and not m.weight.requires_grad for m in base_layers)
     adapters = [
         m for n, m in peft_model.named_modules() if n.rsplit(".", 2)[-2:-1] in (["lora_A"], ["lora_B"])
     ]
@@ -139,11 +151,11 @@ def test_fp8_base_weights_take_at_most_0_55x_the_bytes_of_bf16():
     peft_model = fp8_lora("llama", "patch_first").to(torch.bfloat16)
     peft_model(**tm.batch_for("llama", 16))  # frozen weights are stored in FP8 at the first forward
     base = [m for m in peft_model.modules() if isinstance(m, _Fp8Module)]
-    fp8_bytes = sum(m.weight.untyped_storage().nbytes() + m.weight_scale.nbytes for m in base)
+    fp8_bytes = sum(m.weight._data.untyped_storage().nbytes() + m.weight_scale.nbytes for m in base)
     assert len(base) == len(layers)
     assert fp8_bytes <= 0.55 * bf16_bytes
     # Nothing else of the weight is kept: its storage is the FP8 values alone.
-    assert all(m.weight.untyped_storage().nbytes() == m.weight.numel() for m in base)
+    assert all(m.weight._data.untyped_storage().nbytes() == m.weight.numel() for m in base)
 
 
 def test_state_dict_keeps_hf_dtype_and_loads_back_into_fp8_storage():
@@ -151,7 +163,7 @@ def test_state_dict_keeps_hf_dtype_and_loads_back_into_fp8_storage():
     original = {k: v.clone() for k, v in model.state_dict().items()}
     patch_model(model, LORA_FP8)
     layer = model.model.layers[0].mlp.up_proj
-    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(layer.weight)
     saved = model.state_dict()
     assert saved.keys() == original.keys()
     assert all(saved[k].dtype == original[k].dtype for k in saved)
@@ -159,7 +171,7 @@ def test_state_dict_keeps_hf_dtype_and_loads_back_into_fp8_storage():
     error = (saved[key].float() - original[key].float()).abs()
     assert (error <= 2.0**-4 * original[key].float().abs() + 1e-6).all(), "within E4M3 rounding"
     model.load_state_dict(original)
-    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(layer.weight)
     assert torch.equal(model.state_dict()[key], saved[key])
     unpatch_model(model)
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
@@ -193,7 +205,7 @@ def test_merge_and_unload_and_the_adapter_on_a_plain_base(tmp_path):
 
     merged_fp8 = merge_and_unload(peft_model, fp8=True)
     up = merged_fp8.model.layers[0].mlp.up_proj
-    assert up.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(up.weight)
     with torch.no_grad():
         requantized = merged_fp8(input_ids=probe).logits
     assert (requantized - trained).norm() / trained.norm() < 2.0**-4
@@ -204,7 +216,7 @@ def test_gpt2_conv1d_base_layers_run_lora_in_fp8():
     attn = peft_model.base_model.model.transformer.h[0].attn.c_attn
     assert isinstance(attn.base_layer, Fp8Conv1D)
     train(peft_model, text_batches(2))
-    assert attn.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(attn.base_layer.weight)
     assert attn.base_layer.weight.shape == (64, 192), "Conv1D's (in, out) layout, as HF and PEFT read it"
 
 
@@ -268,7 +280,7 @@ def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
     assert report.recipe.fp8_weights and len(report.converted) == 14
     assert all(not p.requires_grad for p in model.parameters())
     layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
-    assert len(layers) == 14 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert len(layers) == 14 and all(stored_in_fp8(m.weight) for m in layers)
     assert model.lm_head.weight.dtype == torch.bfloat16, "the head stays in the checkpoint's precision"
 
     # The same FP8 model as loading the checkpoint as usual and patching it: identical outputs.
@@ -283,27 +295,26 @@ def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
 
 
 def test_fp8_weights_survive_dtype_and_device_moves():
-    """``model.to(dtype)`` (the Trainer's bf16_full_eval does it) must not cast the FP8 values: the
-    weight keeps them and its scale, and the dtype change becomes the layer's compute dtype."""
+    """``model.to(dtype)`` (the Trainer's bf16_full_eval does it) must not touch the FP8 values: the
+    weight keeps them and its float32 scale, and reports and dequantizes to the new dtype."""
     peft_model = fp8_lora("llama", "patch_first")
     probe = tm.batch_for("llama", 16)
     peft_model.eval()
     with torch.no_grad():
         before = peft_model(**probe).logits
         layer = peft_model.base_model.model.model.layers[0].mlp.up_proj.base_layer
-        weight, stored = layer.weight, layer.weight.detach().clone()
+        values = layer.weight._data.clone()
+        assert layer.weight.dtype == torch.float32, "it reports the dtype it was stored from"
         peft_model.to(torch.bfloat16)
         after = peft_model(**probe).logits
-    assert (
-        layer.weight is weight and torch.equal(layer.weight, stored) and weight.dtype == torch.float8_e4m3fn
-    )
-    assert layer.weight_scale.dtype == torch.float32 and layer.compute_dtype == torch.bfloat16
+    assert stored_in_fp8(layer.weight) and torch.equal(layer.weight._data, values)
+    assert layer.weight_scale.dtype == torch.float32 and layer.weight.dtype == torch.bfloat16
     assert (after.float() - before).norm() / before.norm() < 2.0**-5, "bf16 rounding, nothing more"
 
 
 def test_adapters_on_a_stored_fp8_base_are_not_rounded_to_fp8():
-    """PEFT gives new adapters the base layer's dtype: it reads ``compute_dtype``, not the FP8 one, so
-    the adapters start exactly as on a plain BF16 base."""
+    """PEFT gives new adapters the base layer's dtype, which a stored weight reports as its original
+    one, so the adapters start exactly as on a plain BF16 base."""
     plain = lora(tm.build("llama", dtype=torch.bfloat16), "llama")
     model = tm.build("llama", dtype=torch.bfloat16).requires_grad_(False)
     patch_model(model, LORA_FP8)  # frozen already: stored in FP8 now
@@ -312,7 +323,7 @@ def test_adapters_on_a_stored_fp8_base_are_not_rounded_to_fp8():
     def lora_a(m):
         return m.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight
 
-    assert model.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(model.model.layers[0].mlp.up_proj.base_layer.weight)
     assert torch.equal(lora_a(peft_model), lora_a(plain))
 
 
@@ -334,7 +345,7 @@ def test_quantizing_keeps_the_parameter_object():
     patch_model(model, LORA_FP8)
     model.requires_grad_(False)
     model(**tm.batch_for("llama", 16))
-    assert model.model.layers[0].mlp.up_proj.weight is weight and weight.dtype == torch.float8_e4m3fn
+    assert model.model.layers[0].mlp.up_proj.weight is weight and stored_in_fp8(weight)
 
 
 def test_merge_after_peft_first_keeps_the_model_patched():
@@ -355,7 +366,33 @@ def test_a_weight_tied_to_the_embeddings_keeps_its_dtype():
     report = patch_model(model, LORA_FP8.replace(convert_lm_head=True))
     assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.dtype == torch.float32
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float8_e4m3fn
+    assert stored_in_fp8(model.model.layers[0].mlp.up_proj.weight)
     assert any("1 weight(s) tied" in note for note in report.notes)
     model(**tm.batch_for("gemma", 16))
     assert model.lm_head.weight.dtype == torch.float32, "not at the first forward either"
+
+
+def test_models_that_read_the_weight_dtype_run_on_stored_weights():
+    """T5's feed-forward casts its input to ``wo.weight.dtype``, and ``model.dtype`` reads parameter
+    dtypes: a stored weight reports its original dtype, so both keep working."""
+    model = tm.build("t5")
+    patch_model(model, LORA_FP8)
+    peft_model = lora_for(model, ["q", "v", "wi", "wo"])
+    wo = model.encoder.block[0].layer[1].DenseReluDense.wo.base_layer
+    batch = tm.batch_for("t5", 16)
+    peft_model(**batch).loss.backward()  # the base weights are stored in FP8 at this first forward
+    assert stored_in_fp8(wo.weight) and wo.weight.dtype == torch.float32 and model.dtype == torch.float32
+    peft_model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(peft_model(**batch).loss)
+
+
+def test_in_place_changes_of_a_stored_weight_are_refused():
+    """PEFT's own merge adds to ``weight.data`` in place; on FP8 values that would silently change a
+    temporary copy, so it is an error that points to the way that works."""
+    peft_model = fp8_lora("llama", "patch_first")
+    peft_model(**tm.batch_for("llama", 16))
+    with pytest.raises(
+        RuntimeError, match=r"stored in FP8 .* read-only; call the layer's dequantize_weight_"
+    ):
+        peft_model.merge_and_unload()

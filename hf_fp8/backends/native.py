@@ -39,10 +39,9 @@ from hf_fp8.autocast import fp8_active
 from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.stored_weight import Fp8StoredWeight
 
 __all__ = ["Fp8Conv1D", "Fp8Linear", "update_fp8_scales"]
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Rows of ``amax_history`` and entries of ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -83,15 +82,20 @@ class _Fp8Module(nn.Module):
     @property
     def weight_in_fp8(self) -> bool:
         """Whether the weight is stored in FP8 (see :meth:`quantize_weight_`)."""
-        return self.weight.dtype in _FP8_DTYPES
+        return isinstance(self.weight, Fp8StoredWeight)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """The scale of a weight stored in FP8 (values = FP8 data / scale)."""
+        return self.weight._scale
 
     @torch.no_grad()
     def quantize_weight_(self) -> None:
         """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once.
 
-        The parameter stays the same object (optimizers, DDP and tied references keep pointing at
-        it) with the same shape and device; its data becomes the FP8 values, ``weight_scale`` holds
-        the scale, and ``compute_dtype`` the original dtype, which PEFT reads for its adapters.
+        The parameter stays the same Python object (optimizers, DDP and tied references keep it) and
+        keeps its shape, device and reported dtype: it becomes an :class:`Fp8StoredWeight` whose FP8
+        values the GEMMs use directly. The high-precision values are freed.
         """
         if self.weight_in_fp8:
             return
@@ -100,51 +104,20 @@ class _Fp8Module(nn.Module):
                 "only frozen weights are stored in FP8 (a trainable weight needs its high-precision master "
                 "copy); freeze it first (requires_grad=False), or leave fp8_weights off"
             )
-        fmt = self.recipe.forward_format
-        weight = self.weight
-        scale = compute_scale(weight.abs().amax().float(), fmt, self.recipe.margin)
-        self.weight_dtype = weight.dtype
-        weight.data = cast_to_fp8(weight.data, scale, fmt)
-        self.register_buffer("weight_scale", scale, persistent=False)
+        stored = Fp8StoredWeight.quantize(self.weight, self.recipe.forward_format, self.recipe.margin)
+        torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
 
     @torch.no_grad()
     def dequantize_weight_(self) -> None:
-        """Undo :meth:`quantize_weight_`: the weight back in its original dtype (FP8-rounded values)."""
+        """Undo :meth:`quantize_weight_`: the weight back as a plain tensor (FP8-rounded values)."""
         if self.weight_in_fp8:
-            self.weight.data = self.dequantized_weight()
-            del self.weight_scale
+            torch.utils.swap_tensors(self.weight, nn.Parameter(self.weight.dequantize(), requires_grad=False))
 
     def dequantized_weight(self, device: torch.device | None = None) -> torch.Tensor:
-        """The weight in its original dtype (a temporary when it is stored in FP8), on ``device``."""
+        """The weight as a plain tensor in its dtype (a temporary when it is stored in FP8)."""
         if not self.weight_in_fp8:
             return self.weight
-        weight, scale = self.weight.detach(), self.weight_scale
-        if device is not None:
-            weight, scale = weight.to(device), scale.to(device)
-        return (weight.float() / scale).to(self.weight_dtype)
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype the layer computes in outside FP8: the weight's, or the one it was stored from."""
-        return self.weight_dtype if self.weight_in_fp8 else self.weight.dtype
-
-    def _apply(self, fn, recurse: bool = True):
-        """``.to()``, ``.cuda()``, ``.half()`` and the like: a weight stored in FP8 moves between devices
-        but keeps its FP8 values and float32 scale; a dtype change becomes its ``compute_dtype``."""
-        if not self.weight_in_fp8:
-            return super()._apply(fn, recurse)
-        weight, scale = self._parameters.pop("weight"), self._buffers.pop("weight_scale")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"], self._buffers["weight_scale"] = weight, scale
-        target = fn(torch.empty(0, dtype=self.weight_dtype, device=weight.device))
-        if target.is_floating_point():
-            self.weight_dtype = target.dtype
-        if target.device != weight.device:
-            weight.data = weight.data.to(target.device)
-            self._buffers["weight_scale"] = scale.to(target.device)
-        return self
+        return self.weight.dequantize(device)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -166,12 +139,10 @@ class _Fp8Module(nn.Module):
         if incoming.shape != self.weight.shape:
             errors.append(f"size mismatch for {key}: {tuple(incoming.shape)} vs {tuple(self.weight.shape)}")
             return None
-        fmt = self.recipe.forward_format
         with torch.no_grad():
-            incoming = incoming.to(self.weight.device)
-            scale = compute_scale(incoming.abs().amax().float(), fmt, self.recipe.margin)
-            self.weight.copy_(cast_to_fp8(incoming, scale, fmt))
-            self.weight_scale.copy_(scale)
+            stored = Fp8StoredWeight.quantize(incoming, self.recipe.forward_format, self.recipe.margin)
+            self.weight._data.copy_(stored._data)
+            self.weight._scale.copy_(stored._scale)
         return None
 
     @property
@@ -179,8 +150,17 @@ class _Fp8Module(nn.Module):
         """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
         return fp8_active(self.training, self.recipe.use_during_eval)
 
-    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` in FP8, for ``weight`` of shape (out, in) in any memory layout."""
+    def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
+        stored = self.weight_in_fp8
+        if stored and self.weight.requires_grad:
+            raise RuntimeError(
+                "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
+                "call dequantize_weight_() first to train it in its original precision"
+            )
+        weight = self.weight._data if stored else self.weight
+        weight = weight.t() if transposed else weight
+        weight_scale = self.weight._scale if stored else None
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
@@ -196,12 +176,6 @@ class _Fp8Module(nn.Module):
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
-        weight_scale = self.weight_scale if self.weight_in_fp8 else None
-        if weight_scale is not None and weight.requires_grad:
-            raise RuntimeError(
-                "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
-                "call dequantize_weight_() first to train it in its original precision"
-            )
         with torch.autocast(device_type, enabled=False):
             return _Fp8LinearFunction.apply(
                 x, weight, bias, self.amax_history, self.scale, weight_scale, record, config
@@ -245,7 +219,7 @@ class Fp8Linear(_Fp8Module, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.dequantized_weight(), self.bias)
-        return self._fp8_forward(x, self.weight, self.bias)
+        return self._fp8_forward(x, False, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self._fp8_repr()}"
@@ -272,7 +246,7 @@ class Fp8Conv1D(_Fp8Module, Conv1D):
         if not self.fp8_enabled:
             out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.dequantized_weight())
             return out.reshape(*x.shape[:-1], self.nf)
-        return self._fp8_forward(x, self.weight.t(), self.bias)
+        return self._fp8_forward(x, True, self.bias)
 
     def __repr__(self) -> str:
         return f"Fp8Conv1D(nf={self.nf}, nx={self.nx}, {self._fp8_repr()})"

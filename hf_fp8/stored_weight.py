@@ -1,0 +1,100 @@
+"""``Fp8StoredWeight``: a frozen weight kept in FP8 that still looks like the weight it was.
+
+The values live in FP8 (one byte each) with a float32 tensorwise scale; the tensor reports the shape,
+device and the dtype of the weight it was made from. So code that reads ``weight.dtype`` (PEFT when
+it creates adapters, T5's feed-forward, ``model.dtype``) sees BF16 or float32, not an FP8 dtype.
+
+The FP8 layers read ``_data`` and ``_scale`` and run their GEMMs on them directly. Everything else
+done with the tensor sees its dequantized values: any other operation computes on a temporary
+high-precision copy. ``.to(device)`` moves the FP8 values; ``.to(dtype)`` keeps them and changes the
+dtype the weight reports and dequantizes to. ``copy_`` into it quantizes; other in-place operations
+are refused, since they would change a temporary copy and silently nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
+
+__all__ = ["Fp8StoredWeight"]
+
+_aten = torch.ops.aten
+
+
+class Fp8StoredWeight(torch.Tensor):
+    """FP8 values ``_data`` and their scale ``_scale`` (``values = _data / _scale``), reporting ``dtype``."""
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8StoredWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device, requires_grad=False
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self._data = data
+        self._scale = scale
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: Fp8Format, margin: int) -> Fp8StoredWeight:
+        """``weight`` in ``fmt`` with a scale from its own amax."""
+        weight = weight.detach()
+        scale = compute_scale(weight.abs().amax().float(), fmt, margin)
+        return cls(cast_to_fp8(weight, scale, fmt), scale, weight.dtype)
+
+    def dequantize(self, device: torch.device | None = None) -> torch.Tensor:
+        """The values in the reported dtype, as a plain tensor (on ``device`` when given)."""
+        data, scale = self._data, self._scale
+        if device is not None:
+            data, scale = data.to(device), scale.to(device)
+        return (data.float() / scale).to(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Fp8StoredWeight({self._data.dtype} values, scale {self._scale.item():.4g}, as {self.dtype})"
+
+    # torch.compile sees through the wrapper to its two tensors.
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, dtype: torch.dtype, outer_size, outer_stride) -> Fp8StoredWeight:
+        return Fp8StoredWeight(inner["_data"], inner["_scale"], dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (_aten.detach.default, _aten.alias.default):
+            (weight,) = args
+            return cls(func(weight._data), weight._scale, weight.dtype)
+        if func is _aten.clone.default:
+            (weight,) = args
+            return cls(weight._data.clone(), weight._scale.clone(), weight.dtype)
+        if func is _aten._to_copy.default:
+            (weight,) = args
+            device = kwargs.get("device") or weight.device
+            dtype = kwargs.get("dtype") or weight.dtype
+            return cls(weight._data.to(device), weight._scale.to(device), dtype)
+        if func is _aten.copy_.default and isinstance(args[0], cls):
+            target, source = args[0], args[1]
+            source = source.dequantize() if isinstance(source, cls) else source
+            fmt = E4M3 if target._data.dtype == E4M3.dtype else E5M2
+            scale = compute_scale(source.detach().abs().amax().float(), fmt, 0).to(target._scale.device)
+            target._data.copy_(cast_to_fp8(source.to(target._data.device), scale, fmt))
+            target._scale.copy_(scale)
+            return target
+
+        if func._schema.is_mutable and isinstance(args[0], cls):
+            raise RuntimeError(
+                f"{func.__name__} would change a weight stored in FP8 (fp8_weights), whose values are "
+                "read-only; call the layer's dequantize_weight_() first (hf_fp8.peft.merge_and_unload does "
+                "that for merging LoRA adapters)"
+            )
+
+        def plain(t):
+            return t.dequantize() if isinstance(t, cls) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
