@@ -25,7 +25,14 @@ from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import _Fp8Module
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["FP8_STATE_FILE", "fp8_state_dict", "load_fp8_state", "load_fp8_state_dict", "save_fp8_state"]
+__all__ = [
+    "FP8_STATE_FILE",
+    "fp8_state_dict",
+    "fp8_state_tensors",
+    "load_fp8_state",
+    "load_fp8_state_dict",
+    "save_fp8_state",
+]
 
 FP8_STATE_FILE = "fp8_state.safetensors"
 
@@ -37,18 +44,24 @@ _TE_TENSORS = ("scale", "amax_history")
 _RESTORED_FIELDS = ("margin",)
 
 
-def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every FP8 layer's scaling state, as CPU tensors keyed by layer name."""
-    state: dict[str, torch.Tensor] = {}
+def fp8_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The live tensors of every FP8 layer's scaling state, keyed by layer name: native layers'
+    buffers, TE layers' delayed-scaling meta (once it exists)."""
+    tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, _Fp8Module):
             for buffer in _NATIVE_BUFFERS:
-                state[f"{name}.{buffer}"] = getattr(module, buffer).detach().cpu().clone()
+                tensors[f"{name}.{buffer}"] = getattr(module, buffer)
         elif te_backend.has_scaling_state(module):
             for key, meta in _te_metas(module):
                 for tensor in _TE_TENSORS:
-                    state[f"{name}.{key}.{tensor}"] = getattr(meta, tensor).detach().cpu().clone()
-    return state
+                    tensors[f"{name}.{key}.{tensor}"] = getattr(meta, tensor)
+    return tensors
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every FP8 layer's scaling state, as CPU tensors keyed by layer name."""
+    return {key: t.detach().cpu().clone() for key, t in fp8_state_tensors(model).items()}
 
 
 @torch.no_grad()
@@ -57,19 +70,13 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
 
     Every FP8 layer must find its entries and every entry its layer, with the same shapes: a mismatch
     means another model or recipe, and is an error that names the keys."""
-    targets: dict[str, torch.Tensor] = {}
     te_recipe = getattr(getattr(model, "_hf_fp8_state", None), "te_recipe", None)
-    for name, module in model.named_modules():
-        if isinstance(module, _Fp8Module):
-            for buffer in _NATIVE_BUFFERS:
-                targets[f"{name}.{buffer}"] = getattr(module, buffer)
-        elif te_backend.has_scaling_state(module):
+    if te_recipe is not None:
+        for name, module in model.named_modules():
             saved_scale = state.get(f"{name}.scaling_fwd.scale")
-            if saved_scale is not None and te_recipe is not None:
+            if saved_scale is not None and te_backend.has_scaling_state(module):
                 _create_te_metas(module, te_recipe, num_gemms=saved_scale.numel() // 3)
-            for key, meta in _te_metas(module):
-                for tensor in _TE_TENSORS:
-                    targets[f"{name}.{key}.{tensor}"] = getattr(meta, tensor)
+    targets = fp8_state_tensors(model)
     missing = sorted(set(targets) - set(state))
     unexpected = sorted(set(state) - set(targets))
     if missing or unexpected:

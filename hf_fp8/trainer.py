@@ -33,7 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import _Fp8Module, gpu_has_fp8
-from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
+from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_tensors, load_fp8_state, save_fp8_state
 from hf_fp8.distributed import default_amax_group
 from hf_fp8.patch import _end_pending_step, _set_recipe, is_patched, patch_model
 from hf_fp8.recipe import Fp8Recipe
@@ -146,7 +146,7 @@ class Fp8TrainerCallback(TrainerCallback):
             return
         self._losses.clear()
         if self.recipe.nan_policy != "raise":
-            self._snapshot = [(t, t.clone()) for t in _fp8_state_tensors(self._model)]
+            self._snapshot = [(t, t.clone()) for t in fp8_state_tensors(self._model).values()]
         if _log_due(args, state):
             self._telemetry.arm()
 
@@ -388,20 +388,6 @@ def _saved_checkpoint(args: Any, step: int) -> Path | None:
         return direct
     runs = sorted(Path(args.output_dir).glob(f"*/{name}"), key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
-
-
-def _fp8_state_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The live tensors of every FP8 layer's scaling state (native buffers, TE delayed-scaling meta)."""
-    tensors: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, _Fp8Module):
-            tensors += [module.amax_history, module.scale, module.fp8_steps]
-        elif te_backend.has_scaling_state(module):
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta = module.fp8_meta.get(key)
-                if meta is not None and hasattr(meta, "amax_history"):
-                    tensors += [meta.amax_history, meta.scale]
-    return tensors
 
 
 def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
