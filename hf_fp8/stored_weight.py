@@ -24,27 +24,32 @@ _aten = torch.ops.aten
 
 
 class Fp8StoredWeight(torch.Tensor):
-    """FP8 values ``_data`` and their scale ``_scale`` (``values = _data / _scale``), reporting ``dtype``."""
+    """FP8 values ``_data`` and their scale ``_scale`` (``values = _data / _scale``), reporting ``dtype``.
+    ``_margin`` is the recipe margin its scales are computed with, now and when new values come in."""
 
     _data: torch.Tensor
     _scale: torch.Tensor
+    _margin: int
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8StoredWeight:
+    def __new__(
+        cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int = 0
+    ) -> Fp8StoredWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device, requires_grad=False
         )
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> None:
         self._data = data
         self._scale = scale
+        self._margin = margin
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, fmt: Fp8Format, margin: int) -> Fp8StoredWeight:
         """``weight`` in ``fmt`` with a scale from its own amax."""
         weight = weight.detach()
         scale = compute_scale(weight.abs().amax().float(), fmt, margin)
-        return cls(cast_to_fp8(weight, scale, fmt), scale, weight.dtype)
+        return cls(cast_to_fp8(weight, scale, fmt), scale, weight.dtype, margin)
 
     def dequantize(self, device: torch.device | None = None) -> torch.Tensor:
         """The values in the reported dtype, as a plain tensor (on ``device`` when given)."""
@@ -58,33 +63,33 @@ class Fp8StoredWeight(torch.Tensor):
 
     # torch.compile sees through the wrapper to its two tensors.
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], self.dtype
+        return ["_data", "_scale"], (self.dtype, self._margin)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, dtype: torch.dtype, outer_size, outer_stride) -> Fp8StoredWeight:
-        return Fp8StoredWeight(inner["_data"], inner["_scale"], dtype)
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> Fp8StoredWeight:
+        return Fp8StoredWeight(inner["_data"], inner["_scale"], *meta)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (_aten.detach.default, _aten.alias.default):
             (weight,) = args
-            return cls(func(weight._data), weight._scale, weight.dtype)
+            return cls(func(weight._data), weight._scale, weight.dtype, weight._margin)
         if func is _aten.clone.default:
             (weight,) = args
-            return cls(weight._data.clone(), weight._scale.clone(), weight.dtype)
+            return cls(weight._data.clone(), weight._scale.clone(), weight.dtype, weight._margin)
         if func is _aten._to_copy.default:
             (weight,) = args
             device = kwargs.get("device") or weight.device
             dtype = kwargs.get("dtype") or weight.dtype
-            return cls(weight._data.to(device), weight._scale.to(device), dtype)
+            return cls(weight._data.to(device), weight._scale.to(device), dtype, weight._margin)
         if func is _aten.copy_.default and isinstance(args[0], cls):
             target, source = args[0], args[1]
             source = source.dequantize() if isinstance(source, cls) else source
             fmt = E4M3 if target._data.dtype == E4M3.dtype else E5M2
-            scale = compute_scale(source.detach().abs().amax().float(), fmt, 0).to(target._scale.device)
-            target._data.copy_(cast_to_fp8(source.to(target._data.device), scale, fmt))
-            target._scale.copy_(scale)
+            incoming = cls.quantize(source.to(target._data.device), fmt, target._margin)
+            target._data.copy_(incoming._data)
+            target._scale.copy_(incoming._scale)
             return target
 
         if func._schema.is_mutable and isinstance(args[0], cls):

@@ -124,27 +124,6 @@ class _Fp8Module(nn.Module):
         if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
             destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        """A weight stored in FP8 takes a high-precision checkpoint weight by quantizing it."""
-        key = prefix + "weight"
-        if not (self.weight_in_fp8 and key in state_dict):
-            return super()._load_from_state_dict(
-                state_dict, prefix, local_metadata, strict, missing, unexpected, errors
-            )
-        incoming = state_dict[key]
-        rest = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
-        if key in missing:
-            missing.remove(key)
-        if incoming.shape != self.weight.shape:
-            errors.append(f"size mismatch for {key}: {tuple(incoming.shape)} vs {tuple(self.weight.shape)}")
-            return None
-        with torch.no_grad():
-            stored = Fp8StoredWeight.quantize(incoming, self.recipe.forward_format, self.recipe.margin)
-            self.weight._data.copy_(stored._data)
-            self.weight._scale.copy_(stored._scale)
-        return None
-
     @property
     def fp8_enabled(self) -> bool:
         """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
