@@ -246,13 +246,14 @@ class Fp8TrainerCallback(TrainerCallback):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         layers = _amax_histories(model)
         roles = [(name, role) for name, histories in layers for role, _ in histories]
+        histories = [h for _, per_role in layers for _, h in per_role]
         finite = torch.tensor(True, device=device)
-        flags = [
-            torch.stack(self._losses).isfinite().all() if self._losses else finite,
-            torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else finite,
-            *(h.isfinite().all() for _, histories in layers for _, h in histories),
-        ]
-        bad = (~torch.stack([f.to(device) for f in flags])).int()
+        loss_ok = torch.stack(self._losses).isfinite().all() if self._losses else finite
+        grads_ok = torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else finite
+        # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
+        amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
+        amaxes_ok = torch.stack(amax_max).to(device).isfinite() if histories else finite.new_empty(0)
+        bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
         group = default_amax_group()
         if group is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
