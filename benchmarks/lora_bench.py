@@ -84,18 +84,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         hf_fp8.patch_model(model, recipe, backend="te")
     step_model = torch.compile(model) if "compile" in mode else model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
-
-    def step() -> torch.Tensor:
-        with forward_context():
-            loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    result = {"mode": mode, "shape": args.shape, **measure(step, args)}
+    result = {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args)}
     result["base_weight_gib"] = base_weight_bytes(model) / 2**30
     return result
 

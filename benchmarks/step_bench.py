@@ -90,6 +90,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         forward_context = functools.partial(te.autocast, enabled=True, recipe=DelayedScaling())
     step_model = torch.compile(model) if mode.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    return {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args)}
+
+
+def measure(step_model, optimizer, forward_context, args: argparse.Namespace) -> dict:
+    """Train ``step_model`` on one random batch (forward inside ``forward_context``, backward,
+    ``optimizer`` step) ``args.warmup`` times, then time ``args.steps`` steps with CUDA events: the
+    median step, tokens/s, the peak memory of the timed steps and the last loss."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
 
@@ -101,12 +108,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    return {"mode": mode, "shape": args.shape, **measure(step, args)}
-
-
-def measure(step, args: argparse.Namespace) -> dict:
-    """Run ``step`` ``args.warmup`` times, then time ``args.steps`` runs with CUDA events: the median
-    step, tokens/s, the peak memory of the timed steps and the last loss."""
     start = time.perf_counter()
     for _ in range(args.warmup):
         step()
