@@ -140,17 +140,17 @@ def patch_model(
             shared = {
                 id(p) for m in model.modules() if not isinstance(m, _Fp8Module) for p in m.parameters(False)
             }
+            tied = [m for m in state.fp8_modules if id(m.weight) in shared]
             state.unquantized = [m for m in state.fp8_modules if id(m.weight) not in shared]
             _quantize_frozen_weights(state)
             state.report.notes.append(
                 "fp8_weights: frozen weights are stored in FP8 (now, or at the first forward after they are "
                 "frozen, e.g. by PEFT); trainable weights keep their dtype"
             )
-            tied = len(state.fp8_modules) - len(state.unquantized) - _count_quantized(state.fp8_modules)
             if tied:
                 state.report.notes.append(
-                    f"fp8_weights: {tied} weight(s) tied to another module (e.g. the input embeddings) keep "
-                    "their dtype"
+                    f"fp8_weights: {len(tied)} weight(s) tied to another module (e.g. the input embeddings) "
+                    "keep their dtype"
                 )
     setattr(model, _STATE_ATTR, state)
     if backend == "te":
@@ -514,10 +514,6 @@ def _quantize_frozen_weights(state: _PatchState) -> None:
     for module in [m for m in state.unquantized if not m.weight.requires_grad]:
         module.quantize_weight_()
         state.unquantized.remove(module)
-
-
-def _count_quantized(modules: list[nn.Module]) -> int:
-    return sum(m.weight_in_fp8 for m in modules)
 
 
 def _to_plain(module: _Fp8Module) -> nn.Module:
