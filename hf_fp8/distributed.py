@@ -35,5 +35,4 @@ def sync_amaxes(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -
         return
     newest = torch.stack([m.amax_history[:, 0] for m in modules])
     dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
-    for module, amaxes in zip(modules, newest, strict=True):
-        module.amax_history[:, 0] = amaxes
+    torch._foreach_copy_([m.amax_history[:, 0] for m in modules], list(newest.unbind(0)))

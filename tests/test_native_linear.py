@@ -258,6 +258,33 @@ def test_interval_recomputes_scales_every_n_steps():
     assert seen == [1.0, 1.0, 1.0, 8.0, 8.0]
 
 
+def test_layers_of_different_recipes_end_a_step_together_as_each_would_alone():
+    recipes = [
+        dict(amax_history_len=4),
+        dict(amax_history_len=4, margin=2, amax_compute_algo="most_recent"),
+        dict(amax_history_len=4),
+        dict(amax_history_len=4, interval=2, format="e4m3"),
+        dict(amax_history_len=4, scaling="current"),
+    ]
+    together = nn.Sequential(*(make_layer(seed=i, **r)[1] for i, r in enumerate(recipes)))
+    alone = [make_layer(seed=i, **r)[1] for i, r in enumerate(recipes)]
+    torch.manual_seed(1)
+    for amax in [1.0, 8.0, 2.0]:
+        x = torch.randn(16, 64)
+        x = x / x.abs().max() * amax
+        for layer, single in zip(together, alone, strict=True):
+            layer(x).square().sum().backward()
+            single(x).square().sum().backward()
+            update_fp8_scales(single)
+        update_fp8_scales(together)
+    for layer, single in zip(together, alone, strict=True):
+        assert torch.equal(layer.amax_history, single.amax_history)
+        assert torch.equal(layer.scale, single.scale)
+        assert layer.fp8_steps.item() == single.fp8_steps.item() == 3
+    assert together[1].scale[INPUT] == 448.0 / 2 / 2**2, "most_recent with margin 2: the last amax"
+    assert together[0].scale[INPUT] == 448.0 / 8, "max over the history"
+
+
 def test_current_scaling_uses_each_tensors_own_amax():
     _, layer = make_layer(scaling="current")
     for amax in [1.0, 16.0, 0.5]:
