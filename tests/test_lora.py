@@ -273,6 +273,40 @@ def test_gpu_lora_with_fp8_base_weights_learns_like_bf16_lora(backend):
         assert stored.untyped_storage().nbytes() == weight.numel()
 
 
+@pytest.mark.gpu
+def test_gpu_from_pretrained_fp8_never_holds_the_model_in_bf16(tmp_path):
+    """Loading goes to the GPU a layer at a time: the peak is the FP8 model plus one layer's
+    quantization temporaries, far from the BF16 model's size."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    torch.manual_seed(0)
+    checkpoint = LlamaForCausalLM(config).to(torch.bfloat16)
+    checkpoint.save_pretrained(tmp_path, max_shard_size="20MB")
+    bf16_bytes = sum(p.nbytes for p in checkpoint.parameters())
+    del checkpoint
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model, _ = from_pretrained_fp8(tmp_path, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - before
+    resident = torch.cuda.memory_allocated() - before
+
+    layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    assert len(layers) == 16 * 7 and all(stored_in_fp8(m.weight) for m in layers)
+    assert resident < 0.55 * bf16_bytes, "FP8 linear weights, the rest (embeddings, head, norms) in BF16"
+    assert peak < resident + 0.15 * bf16_bytes, (peak, resident, bf16_bytes)
+    assert peak < 0.65 * bf16_bytes
+
+
 def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
     original = tm.build("llama", dtype=torch.bfloat16)
     original.save_pretrained(tmp_path)
