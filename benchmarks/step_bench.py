@@ -138,6 +138,7 @@ def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
     it finishes; a mode that fails is reported and the others still run."""
     results = []
     for mode in modes:
+        torch._dynamo.reset()  # each mode compiles from scratch, never into another mode's recompile limit
         try:
             result = run_mode(mode, args)
         except Exception as err:  # report and go on: one broken mode must not hide the others

@@ -268,7 +268,7 @@ def test_gpu_lora_with_fp8_base_weights_learns_like_bf16_lora(backend):
     assert len(base) == 14
     for layer in base:
         weight = layer.weight
-        stored = getattr(weight, "_data", None) if backend == "te" else weight  # TE: a Float8Tensor
+        stored = getattr(weight, "_data", None)  # TE's Float8Tensor and our Fp8StoredWeight keep it there
         assert stored is not None and stored.dtype in (torch.uint8, torch.float8_e4m3fn), type(weight)
         assert stored.untyped_storage().nbytes() == weight.numel()
 
