@@ -11,6 +11,7 @@ Bad input ends with one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -176,22 +177,36 @@ def _env(argv: list[str]) -> int:
     usable, reason = te_usable()
     choice = "te" if usable else "native"
     print(f"backend 'auto' for a model on the GPU: {choice} ({reason}); for a model on the CPU: native")
-    if torch.cuda.is_available():  # checked after Transformer Engine was imported, as PEFT imports it too
-        print(f"{'cuDNN (PyTorch)':<20} {_cudnn_status()}")
+    if torch.cuda.is_available():
+        print(f"{'cuDNN':<20} {_cudnn_status()}")
     return 0
 
 
 def _cudnn_status() -> str:
-    """PyTorch's cuDNN, or why PyTorch cannot use it. A second cuDNN loaded into the process first (seen
-    when Transformer Engine finds a system cuDNN older than PyTorch's) costs PyTorch its cuDNN
-    attention: ``sdpa`` falls back to slower kernels (measured: the 8B-shaped LoRA step 1.2x slower)."""
+    """PyTorch's cuDNN against the one loaded into this process, checked after importing Transformer
+    Engine when it is installed (``import peft`` imports it). A TE that loads an older system cuDNN
+    first costs PyTorch its cuDNN attention: ``sdpa`` falls back to slower kernels (measured: the
+    8B-shaped LoRA step 1.2x slower). Compares the versions directly, as PyTorch's own check does,
+    because ``torch.backends.cudnn.version()`` raises only the first time it is asked."""
+    import importlib.util
+
     import torch
 
-    try:
-        version = torch.backends.cudnn.version()
-    except RuntimeError as err:
-        return f"unusable, {err}; attention (sdpa) falls back to slower kernels"
-    return str(version) if version else "not available"
+    if importlib.util.find_spec("transformer_engine") is not None:
+        with contextlib.suppress(Exception):  # a broken TE install is reported by the backend line above
+            import transformer_engine  # noqa: F401
+    binding = getattr(torch._C, "_cudnn", None)  # absent from builds without cuDNN
+    if binding is None:
+        return "not available"
+    built, loaded = binding.getCompileVersion(), binding.getRuntimeVersion()
+    built_text, loaded_text = ".".join(map(str, built)), ".".join(map(str, loaded))
+    if loaded[0] == built[0] and loaded[1] >= built[1]:
+        return f"{loaded_text} (PyTorch built with {built_text})"
+    return (
+        f"{loaded_text} loaded, PyTorch built with {built_text}: PyTorch cannot use it and attention (sdpa) "
+        "falls back to slower kernels; make this process load PyTorch's cuDNN only (the usual cause: a "
+        "system cuDNN older than PyTorch's, loaded by Transformer Engine)"
+    )
 
 
 # ---- demo -------------------------------------------------------------------------------------------

@@ -302,8 +302,12 @@ def test_gpu_from_pretrained_fp8_never_holds_the_model_in_bf16(tmp_path):
 
     layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
     assert len(layers) == 16 * 7 and all(stored_in_fp8(m.weight) for m in layers)
+    # 54.5M linear weights at 1 byte, 1M embedding and head values at 2 bytes: 0.51x the BF16 bytes.
     assert resident < 0.55 * bf16_bytes, "FP8 linear weights, the rest (embeddings, head, norms) in BF16"
-    assert peak < resident + 0.15 * bf16_bytes, (peak, resident, bf16_bytes)
+    # Quantizing one layer holds its BF16 weight and float32 temporaries: 3.6x the largest layer's BF16
+    # bytes on an H200. A decoder block's BF16 weights at once (4.3x) on top of that would not fit.
+    largest_layer_bf16 = max(m.weight.numel() * 2 for m in layers)
+    assert peak - resident < 6 * largest_layer_bf16, (peak, resident, largest_layer_bf16)
     assert peak < 0.65 * bf16_bytes
 
 

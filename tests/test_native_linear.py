@@ -260,29 +260,39 @@ def test_interval_recomputes_scales_every_n_steps():
 
 def test_layers_of_different_recipes_end_a_step_together_as_each_would_alone():
     recipes = [
-        dict(amax_history_len=4),
+        dict(amax_history_len=4, interval=2),
         dict(amax_history_len=4, margin=2, amax_compute_algo="most_recent"),
-        dict(amax_history_len=4),
-        dict(amax_history_len=4, interval=2, format="e4m3"),
+        dict(amax_history_len=4, interval=2),  # shares the first layer's recipe, not its step count
+        dict(amax_history_len=4, format="e4m3"),
         dict(amax_history_len=4, scaling="current"),
+        dict(amax_history_len=4, interval=2),  # and the same recipe with its state in BF16
     ]
-    together = nn.Sequential(*(make_layer(seed=i, **r)[1] for i, r in enumerate(recipes)))
-    alone = [make_layer(seed=i, **r)[1] for i, r in enumerate(recipes)]
+
+    def layers():
+        made = [make_layer(seed=i, **r)[1] for i, r in enumerate(recipes)]
+        made[2].fp8_steps.fill_(1)  # due for a new scale on odd steps, while the first layer is on even
+        made[5].to(torch.bfloat16)
+        return made
+
+    together, alone = nn.ModuleList(layers()), layers()
     torch.manual_seed(1)
-    for amax in [1.0, 8.0, 2.0]:
+    for amax in [1.0, 2.0, 4.0]:
         x = torch.randn(16, 64)
         x = x / x.abs().max() * amax
         for layer, single in zip(together, alone, strict=True):
-            layer(x).square().sum().backward()
-            single(x).square().sum().backward()
+            layer(x.to(layer.weight.dtype)).float().square().sum().backward()
+            single(x.to(single.weight.dtype)).float().square().sum().backward()
             update_fp8_scales(single)
         update_fp8_scales(together)
     for layer, single in zip(together, alone, strict=True):
+        assert layer.amax_history.dtype == single.amax_history.dtype
         assert torch.equal(layer.amax_history, single.amax_history)
         assert torch.equal(layer.scale, single.scale)
-        assert layer.fp8_steps.item() == single.fp8_steps.item() == 3
-    assert together[1].scale[INPUT] == 448.0 / 2 / 2**2, "most_recent with margin 2: the last amax"
-    assert together[0].scale[INPUT] == 448.0 / 8, "max over the history"
+        assert layer.fp8_steps.item() == single.fp8_steps.item()
+    assert together[5].scale.dtype == torch.bfloat16
+    assert together[0].scale[INPUT] == 448.0 / 4, "interval 2 from step 0: recomputed after steps 0 and 2"
+    assert together[2].scale[INPUT] == 448.0 / 2, "interval 2 from step 1: recomputed after step 1 only"
+    assert together[1].scale[INPUT] == 448.0 / 4 / 2**2, "most_recent with margin 2: the last amax"
 
 
 def test_current_scaling_uses_each_tensors_own_amax():

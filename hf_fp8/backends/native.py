@@ -250,15 +250,16 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
 def end_fp8_step(modules: list[_Fp8Module], group: dist.ProcessGroup | None) -> None:
     """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction).
 
-    Layers that share a recipe and a device are advanced together: their state is stacked, updated
-    with one set of kernels and copied back, so a step's end costs a few dozen kernel launches for the
-    whole model instead of a few dozen per layer.
+    Layers whose recipe and state tensors (device, shape, dtype) agree are advanced together: their
+    state is stacked, updated with one set of kernels and copied back, so a step's end costs a few
+    dozen kernel launches for the whole model instead of a few dozen per layer.
     """
     sync_amaxes(modules, group)
-    batches: dict[tuple[Fp8Recipe, torch.device], list[_Fp8Module]] = {}
+    batches: dict[tuple, list[_Fp8Module]] = {}
     for module in modules:
-        batches.setdefault((module.recipe, module.amax_history.device), []).append(module)
-    for (recipe, _), batch in batches.items():
+        history = module.amax_history
+        batches.setdefault((module.recipe, history.device, history.shape, history.dtype), []).append(module)
+    for (recipe, *_), batch in batches.items():
         _advance_steps(recipe, batch)
 
 
