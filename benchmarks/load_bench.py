@@ -36,7 +36,7 @@ def load_bf16_then_quantize(path: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
     model.requires_grad_(False)
     hf_fp8.patch_model(model, hf_fp8.RECIPES["lora-fp8"], backend="native")
-    for module in model.modules():
+    for module in model.modules():  # patch_model would quantize at the first forward; do it now
         if isinstance(module, _Fp8Module):
             module.quantize_weight_()
     return model
