@@ -158,6 +158,7 @@ def _env(argv: list[str]) -> int:
     import torch
 
     from hf_fp8.backends.te import te_usable
+    from hf_fp8.formats import gpu_has_fp8
 
     for package in ("hf-fp8", "torch", "transformers", "accelerate", "peft", "transformer-engine"):
         try:
@@ -170,7 +171,7 @@ def _env(argv: list[str]) -> int:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             capability = torch.cuda.get_device_capability(i)
-            fp8 = "FP8 GEMMs" if capability >= (8, 9) else "no FP8 (needs compute capability >= 8.9)"
+            fp8 = "FP8 GEMMs" if gpu_has_fp8(i) else "no FP8 (needs compute capability >= 8.9)"
             print(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {capability}: {fp8}")
     else:
         print("GPUs: none (CUDA not available); FP8 numerics run on the CPU")

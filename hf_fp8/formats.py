@@ -1,4 +1,4 @@
-"""FP8 number formats, scale math and saturating casts.
+"""FP8 number formats, scale math, saturating casts, and which GPUs have FP8 tensor cores.
 
 The two FP8 formats of Hopper tensor cores:
 
@@ -25,6 +25,7 @@ __all__ = [
     "cast_to_representable",
     "compute_scale",
     "get_format",
+    "gpu_has_fp8",
 ]
 
 
@@ -105,3 +106,8 @@ def cast_to_representable(
     if scale is None:
         scale = compute_scale(t.detach().abs().amax(), fmt)
     return (cast_to_fp8(t, scale, fmt).float() / scale).to(t.dtype)
+
+
+def gpu_has_fp8(device: torch.device | int | None = None) -> bool:
+    """Whether a CUDA GPU has FP8 tensor cores (compute capability 8.9: Ada, 9.0: Hopper, and later)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)

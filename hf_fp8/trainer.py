@@ -32,9 +32,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_fp8.backends import te as te_backend
-from hf_fp8.backends.native import _Fp8Module, gpu_has_fp8
+from hf_fp8.backends.native import _Fp8Module
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_tensors, load_fp8_state, save_fp8_state
 from hf_fp8.distributed import default_amax_group
+from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.patch import _end_pending_step, _set_recipe, is_patched, patch_model
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport

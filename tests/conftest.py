@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_fp8.formats import E4M3, Fp8Format
+from hf_fp8.formats import E4M3, Fp8Format, gpu_has_fp8
 
 # Unit roundoff (half a mantissa step, relative) and half the subnormal spacing of each format.
 UNIT_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
@@ -14,7 +14,7 @@ HALF_SUBNORMAL_STEP = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
 
 
 def fp8_gpu_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return torch.cuda.is_available() and gpu_has_fp8()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,7 +37,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
 from hf_fp8.distributed import default_amax_group, sync_amaxes
-from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.stored_weight import Fp8StoredWeight
 
@@ -426,11 +426,6 @@ def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_cuda:
         return gpu_has_fp8(a.device) and not a.dtype == b.dtype == torch.float8_e5m2
     return True
-
-
-def gpu_has_fp8(device: torch.device | int | None = None) -> bool:
-    """Whether a CUDA GPU has FP8 tensor cores (compute capability 8.9: Ada, 9.0: Hopper, and later)."""
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _check_gemm_shape(in_features: int, out_features: int) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.formats import FP8_ALIGNMENT, compute_scale
+from hf_fp8.formats import FP8_ALIGNMENT, compute_scale, gpu_has_fp8
 from hf_fp8.norms import norm_eps, norm_kind
 from hf_fp8.recipe import Fp8Recipe
 
@@ -51,7 +51,7 @@ def te_usable() -> tuple[bool, str]:
     """Whether ``backend="auto"`` should pick Transformer Engine, and why (not)."""
     if not torch.cuda.is_available():
         return False, "no CUDA GPU"
-    if torch.cuda.get_device_capability() < (8, 9):
+    if not gpu_has_fp8():
         name = torch.cuda.get_device_name()
         return False, f"{name} has compute capability {torch.cuda.get_device_capability()}, FP8 needs >= 8.9"
     try:
