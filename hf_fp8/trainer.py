@@ -33,7 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_fp8.backends import te as te_backend
 from hf_fp8.backends.native import _Fp8Module
-from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_tensors, load_fp8_state, save_fp8_state
+from hf_fp8.checkpoint import FP8_STATE_FILE, _te_metas, fp8_state_tensors, load_fp8_state, save_fp8_state
 from hf_fp8.distributed import default_amax_group
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.patch import _end_pending_step, _set_recipe, is_patched, patch_model
@@ -42,6 +42,9 @@ from hf_fp8.report import PatchReport
 from hf_fp8.telemetry import Fp8Telemetry
 
 __all__ = ["Fp8Trainer", "Fp8TrainerCallback"]
+
+# The role a TE layer's amax history is reported under, by its fp8_meta key.
+_TE_DIRECTIONS = {"scaling_fwd": "forward", "scaling_bwd": "backward"}
 
 
 class Fp8TrainerCallback(TrainerCallback):
@@ -400,11 +403,7 @@ def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.T
         if isinstance(module, _Fp8Module):
             roles = list(zip(("input", "weight", "grad_output"), module.amax_history, strict=True))
         elif te_backend.has_scaling_state(module):
-            metas = (
-                (r, module.fp8_meta.get(k))
-                for r, k in (("forward", "scaling_fwd"), ("backward", "scaling_bwd"))
-            )
-            roles = [(r, meta.amax_history) for r, meta in metas if hasattr(meta, "amax_history")]
+            roles = [(_TE_DIRECTIONS[key], meta.amax_history) for key, meta in _te_metas(module)]
         else:
             continue
         layers.append((name, roles))
