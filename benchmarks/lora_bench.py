@@ -26,7 +26,7 @@ import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
-from step_bench import build, measure, parse_arguments, run_all
+from step_bench import begin_run, build, measure, parse_arguments, print_table, ratio, run_all
 
 import hf_fp8
 
@@ -91,30 +91,22 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, modes = parse_arguments(__doc__.splitlines()[0], MODES, "8b-4l", argv)
-    if any(mode.startswith(("te", "peft-te")) for mode in modes):
-        import transformer_engine.pytorch  # noqa: F401  (before CUDA/cuDNN initialise: see step_bench)
-    print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
-        f"batch {args.batch} x {args.seq}, LoRA r=16 on {','.join(TARGETS)}",
-        flush=True,
-    )
+    begin_run(args, modes, f", LoRA r=16 on {','.join(TARGETS)}")
     results = run_all(modes, run_mode, args)
 
-    base = next((r for r in results if r["mode"] == "peft-bf16" and "error" not in r), None)
-    print(
-        "\n| mode | tokens/s | vs peft-bf16 | ms/step | peak GiB | vs peft-bf16 | base weights GiB | loss |"
-        "\n|---|---|---|---|---|---|---|---|"
-    )
-    for r in results:
-        if "error" in r:
-            print(f"| {r['mode']} | error: {r['error'][:80]} | | | | | | |")
-            continue
-        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        memory = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if base else "-"
-        print(
-            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {speed} | {r['ms_per_step']:.1f} | "
-            f"{r['peak_gib']:.1f} | {memory} | {r['base_weight_gib']:.2f} | {r['loss']:.4f} |"
-        )
+    def cells(r: dict, base: dict | None) -> list[str]:
+        return [
+            f"{r['tokens_per_s']:,.0f}",
+            ratio(r, base, "tokens_per_s"),
+            f"{r['ms_per_step']:.1f}",
+            f"{r['peak_gib']:.1f}",
+            ratio(r, base, "peak_gib"),
+            f"{r['base_weight_gib']:.2f}",
+            f"{r['loss']:.4f}",
+        ]
+
+    titles = ["tokens/s", "vs peft-bf16", "ms/step", "peak GiB", "vs peft-bf16", "base weights GiB", "loss"]
+    print_table(results, "peft-bf16", titles, cells)
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -173,31 +174,54 @@ def parse_arguments(
     return args, chosen
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, modes = parse_arguments(__doc__.splitlines()[0], MODES, "1b", argv)
+def begin_run(args: argparse.Namespace, modes: list[str], detail: str = "") -> None:
+    """Import Transformer Engine when a mode needs it, then print the run's header line.
 
+    TE comes first, before CUDA and cuDNN are initialised: imported later, on some hosts it resolves a
+    system cuDNN library that clashes with the one torch already loaded. Even so, on the hosts of
+    RESULTS.md a process with TE loses torch's cuDNN attention, in every mode: run TE modes apart.
+    """
     if any("te" in mode.split("-") for mode in modes):
-        # Import Transformer Engine before CUDA and cuDNN are initialised: imported later, on some hosts
-        # it resolves a system cuDNN library that clashes with the one torch already loaded.
         import transformer_engine.pytorch  # noqa: F401
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
-        f"batch {args.batch} x {args.seq}",
+        f"batch {args.batch} x {args.seq}{detail}",
         flush=True,
     )
+
+
+def print_table(
+    results: list[dict], baseline: str, titles: list[str], cells: Callable[[dict, dict | None], list[str]]
+) -> None:
+    """``results`` as a Markdown table, one row per mode: ``cells(result, baseline result)`` gives the
+    columns after the mode (the baseline result is ``None`` when that mode failed or did not run)."""
+    base = next((r for r in results if r["mode"] == baseline and "error" not in r), None)
+    print("\n| mode | " + " | ".join(titles) + " |\n" + "|---" * (len(titles) + 1) + "|")
+    for r in results:
+        row = [f"error: {r['error'][:80]}"] + [""] * (len(titles) - 1) if "error" in r else cells(r, base)
+        print(f"| {r['mode']} | " + " | ".join(row) + " |")
+
+
+def ratio(result: dict, base: dict | None, key: str) -> str:
+    """``result[key]`` over the baseline's, or ``-`` without a baseline."""
+    return f"{result[key] / base[key]:.2f}x" if base else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, modes = parse_arguments(__doc__.splitlines()[0], MODES, "1b", argv)
+    begin_run(args, modes)
     results = run_all(modes, run_mode, args)
 
-    base = next((r for r in results if r["mode"] == "bf16" and "error" not in r), None)
-    print("\n| mode | tokens/s | vs bf16 | ms/step | peak GiB | loss |\n|---|---|---|---|---|---|")
-    for r in results:
-        if "error" in r:
-            print(f"| {r['mode']} | error: {r['error'][:80]} | | | | |")
-            continue
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        print(
-            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['ms_per_step']:.1f} | "
-            f"{r['peak_gib']:.1f} | {r['loss']:.4f} |"
-        )
+    def cells(r: dict, base: dict | None) -> list[str]:
+        return [
+            f"{r['tokens_per_s']:,.0f}",
+            ratio(r, base, "tokens_per_s"),
+            f"{r['ms_per_step']:.1f}",
+            f"{r['peak_gib']:.1f}",
+            f"{r['loss']:.4f}",
+        ]
+
+    print_table(results, "bf16", ["tokens/s", "vs bf16", "ms/step", "peak GiB", "loss"], cells)
     return 0
 
 
