@@ -33,6 +33,7 @@ def sync_amaxes(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -
     """
     if group is None or not modules:
         return
-    newest = torch.stack([m.amax_history[:, 0] for m in modules])
+    slots = [m.amax_history[:, 0] for m in modules]
+    newest = torch.stack(slots)
     dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_([m.amax_history[:, 0] for m in modules], list(newest.unbind(0)))
+    torch._foreach_copy_(slots, list(newest.unbind(0)))
