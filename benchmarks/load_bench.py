@@ -17,11 +17,11 @@ import sys
 import tempfile
 
 import torch
-from step_bench import SHAPES, build
+from harness import SHAPES, build
 from transformers import AutoModelForCausalLM
 
 import hf_fp8
-from hf_fp8.backends.native import _Fp8Module
+from hf_fp8.linear import Fp8Module
 from hf_fp8.peft import from_pretrained_fp8
 
 GIB = 2**30
@@ -37,7 +37,7 @@ def load_bf16_then_quantize(path: str) -> torch.nn.Module:
     model.requires_grad_(False)
     hf_fp8.patch_model(model, hf_fp8.RECIPES["lora-fp8"], backend="native")
     for module in model.modules():  # patch_model would quantize at the first forward; do it now
-        if isinstance(module, _Fp8Module):
+        if isinstance(module, Fp8Module):
             module.quantize_weight_()
     return model
 
@@ -52,7 +52,7 @@ def measure(load, path: str) -> dict:
     before = torch.cuda.memory_allocated()
     model = load(path)
     torch.cuda.synchronize()
-    fp8_layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Module)]
     assert fp8_layers and all(m.weight_in_fp8 for m in fp8_layers)
     result = {
         "peak_gib": (torch.cuda.max_memory_allocated() - before) / GIB,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 __all__ = ["default_amax_group", "sync_amaxes"]
 
@@ -26,14 +25,14 @@ def default_amax_group() -> dist.ProcessGroup | None:
 
 
 @torch.no_grad()
-def sync_amaxes(modules: Sequence[nn.Module], group: dist.ProcessGroup | None) -> None:
-    """Replace each module's newest amaxes (slot 0 of ``amax_history``) by their maximum over ``group``.
+def sync_amaxes(newest: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Replace each tensor of ``newest`` (the newest-amax slots of the layers' histories, all of one
+    shape) by its elementwise maximum over ``group``, in place.
 
-    One ``all_reduce`` for all modules and roles; a no-op without a group or without modules.
+    One ``all_reduce`` for all of them; a no-op without a group or without tensors.
     """
-    if group is None or not modules:
+    if group is None or not newest:
         return
-    slots = [m.amax_history[:, 0] for m in modules]
-    newest = torch.stack(slots)
-    dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_(slots, list(newest.unbind(0)))
+    stacked = torch.stack(list(newest))
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+    torch._foreach_copy_(list(newest), list(stacked.unbind(0)))

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_fp8.backends.native import _Fp8Module
-from hf_fp8.patch import _STATE_ATTR as _PATCH_STATE
-from hf_fp8.patch import _move_patch, _set_recipe, patch_model
+from hf_fp8.linear import Fp8Module
+from hf_fp8.patch import move_patch, patch_model
+from hf_fp8.patch_state import get_state
 from hf_fp8.recipe import RECIPES, Fp8Recipe
 from hf_fp8.report import PatchReport
+from hf_fp8.step import set_recipe
 
 __all__ = ["from_pretrained_fp8", "merge_and_unload"]
 
@@ -37,18 +38,18 @@ def merge_and_unload(peft_model: nn.Module, fp8: bool = False, **kwargs) -> nn.M
     ``kwargs`` go to PEFT (``safe_merge``, ``adapter_names``, ...).
     """
     base = peft_model.get_base_model()
-    stored_in_fp8 = [m for m in base.modules() if isinstance(m, _Fp8Module) and m.weight_in_fp8]
+    stored_in_fp8 = [m for m in base.modules() if isinstance(m, Fp8Module) and m.weight_in_fp8]
     for module in stored_in_fp8:
         module.dequantize_weight_()
     # PEFT first, then patch_model: the hooks are on the PeftModel itself (its attribute lookups also
     # reach the base model's, hence vars()).
-    patched_root = _PATCH_STATE in vars(peft_model)
+    patched_root = get_state(peft_model, own=True) is not None
     merged = peft_model.merge_and_unload(**kwargs)
     if patched_root:
-        _move_patch(peft_model, merged)
+        move_patch(peft_model, merged)
     if fp8:
         for module in merged.modules():
-            if isinstance(module, _Fp8Module):
+            if isinstance(module, Fp8Module):
                 module.weight.requires_grad_(False)
                 module.quantize_weight_()
     return merged
@@ -88,10 +89,9 @@ def from_pretrained_fp8(
     # Patched on the host without quantizing, then quantized one layer at a time on the device.
     report = patch_model(model, recipe.replace(fp8_weights=False), backend="native")
     for module in model.modules():
-        if isinstance(module, _Fp8Module):
+        if isinstance(module, Fp8Module):
             module.to(device)
             module.quantize_weight_()
-    _set_recipe(model, recipe)
-    report.recipe = recipe
+    set_recipe(model, recipe)
     report.notes.append(f"fp8_weights: loaded from {path} and stored in FP8 layer by layer on {device}")
     return model.to(device), report

@@ -19,7 +19,7 @@ import yaml
 
 from hf_fp8.formats import E4M3, E5M2, FP8_ALIGNMENT, Fp8Format
 
-__all__ = ["LAUNCHER_ENV", "RECIPES", "Fp8Recipe"]
+__all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe"]
 
 # Where `hf-fp8 launch` puts the recipe (as YAML text) for the processes it starts.
 LAUNCHER_ENV = "HF_FP8_RECIPE"
@@ -28,6 +28,9 @@ _FORMATS = ("hybrid", "e4m3", "e5m2")
 _SCALINGS = ("delayed", "current", "block")
 _AMAX_ALGOS = ("max", "most_recent")
 _NAN_POLICIES = ("raise", "skip_step", "increase_margin")
+# The fields that decide how scales are computed from amaxes: FP8 state saved under one value of these
+# does not continue under another (the margin is restored from the state instead).
+SCALING_FIELDS = ("format", "scaling", "amax_history_len", "amax_compute_algo", "interval")
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from hf_fp8.backends import te as te_backend
-from hf_fp8.backends.native import GRAD_OUTPUT, INPUT, WEIGHT, _Fp8Module
-from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.backends.base import ObservableCasts
+from hf_fp8.backends.registry import fp8_layers
+from hf_fp8.formats import E4M3, E5M2
 
 __all__ = ["Fp8Telemetry"]
 
@@ -37,14 +36,14 @@ class _Counts:
     saturated: dict[str, torch.Tensor] = field(default_factory=dict)
     flushed: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def add(self, direction: str, t: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> None:
-        t = t.detach()
-        scaled = t.float() * scale
-        quantized = cast_to_fp8(t, scale, fmt)
-        saturated = (scaled.abs() > fmt.max).sum()
-        flushed = ((t != 0) & (quantized.float() == 0)).sum()
+    @torch.no_grad()
+    def add(self, direction: str, source: torch.Tensor, scale: torch.Tensor, fp8: torch.Tensor) -> None:
+        """Count one cast: ``fp8`` is what the layer made of ``source`` with ``scale``."""
+        fmt = E4M3 if fp8.dtype == E4M3.dtype else E5M2
+        saturated = ((source.float() * scale).abs() > fmt.max).sum()
+        flushed = ((source != 0) & (fp8.float() == 0)).sum()
         for counter, value in (
-            (self.values, t.numel()),
+            (self.values, source.numel()),
             (self.saturated, saturated),
             (self.flushed, flushed),
         ):
@@ -54,34 +53,39 @@ class _Counts:
 class Fp8Telemetry:
     """Scale and amax statistics of a patched model's FP8 layers, and cast statistics of a sample.
 
-    ``arm()`` before a step that will be logged hooks the sampled layers for that step; ``collect()``
-    after it returns the log entries and removes the hooks. Only native FP8 layers are sampled (TE's
-    casts happen inside its kernels); scale statistics cover both backends.
+    ``arm()`` before a step that will be logged has the sampled layers report their casts in that
+    step; ``collect()`` after it returns the log entries and stops the reports. Layers that report
+    their casts (the native ones) are sampled; TE's casts happen inside its kernels. Scale statistics
+    cover every FP8 layer.
     """
 
     def __init__(self, model: nn.Module, sample_layers: int = 8) -> None:
-        self.layers = [(n, m) for n, m in model.named_modules() if isinstance(m, _Fp8Module)]
-        self.te_layers = [(n, m) for n, m in model.named_modules() if te_backend.has_scaling_state(m)]
-        every = max(1, -(-len(self.layers) // max(sample_layers, 1)))
-        self.sampled = self.layers[::every][:sample_layers]
+        self.model = model
+        observable = [(n, m) for n, m in model.named_modules() if isinstance(m, ObservableCasts)]
+        every = max(1, -(-len(observable) // max(sample_layers, 1)))
+        self.sampled = observable[::every][:sample_layers]
         self._counts: dict[str, _Counts] = {}
-        self._handles: list[RemovableHandle] = []
         self.armed = False
 
     def arm(self) -> None:
-        """Sample the casts of the next training forward and backward, and log after the step."""
+        """Count the casts of the next training forward and backward, and log after the step."""
         if self.armed:
             return
         self.armed = True
+        directions = {layer.name: layer.roles for layer in fp8_layers(self.model)}
         for name, module in self.sampled:
             counts = self._counts.setdefault(name, _Counts())
-            self._handles.append(module.register_forward_hook(_probe(module, counts)))
+            roles = directions[name]
+
+            def observe(role, source, scale, fp8, counts=counts, roles=roles):
+                counts.add(roles[role].direction, source, scale, fp8)
+
+            module.observe_casts(observe)
 
     def collect(self) -> dict[str, float | str]:
         """The log entries for the step just finished; disarms the probes."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for _, module in self.sampled:
+            module.observe_casts(None)
         self.armed = False
         logs: dict[str, float | str] = {}
         logs.update(self._scale_stats())
@@ -91,33 +95,24 @@ class Fp8Telemetry:
 
     @torch.no_grad()
     def _scale_stats(self) -> dict[str, float]:
-        forward, backward, amax_fwd, amax_bwd = [], [], [], []
-        for _, m in self.layers:
-            forward.append(m.scale[INPUT : WEIGHT + 1])
-            backward.append(m.scale[GRAD_OUTPUT:])
-            newest = m.amax_history[:, :2].amax(dim=1)  # this step's, or the one just rolled
-            amax_fwd.append(newest[INPUT : WEIGHT + 1])
-            amax_bwd.append(newest[GRAD_OUTPUT:])
-        for _, m in self.te_layers:
-            for key, scales, amaxes in (
-                ("scaling_fwd", forward, amax_fwd),
-                ("scaling_bwd", backward, amax_bwd),
-            ):
-                meta = m.fp8_meta.get(key)
-                if meta is not None and hasattr(meta, "amax_history"):
-                    scales.append(meta.scale.float().flatten())
-                    amaxes.append(meta.amax_history[:2].amax(dim=0).float())
+        scales: dict[str, list[torch.Tensor]] = {d: [] for d in _DIRECTIONS}
+        amaxes: dict[str, list[torch.Tensor]] = {d: [] for d in _DIRECTIONS}
+        for layer in fp8_layers(self.model):
+            for role in layer.roles.values():
+                scales[role.direction].append(role.scale.float().flatten())
+                # this step's newest amax, or the one just rolled into slot 1
+                amaxes[role.direction].append(role.amax_history[:2].amax(dim=0).float().flatten())
         logs: dict[str, float] = {}
-        for direction, scales, amaxes in (("fwd", forward, amax_fwd), ("bwd", backward, amax_bwd)):
-            if not scales:
+        for direction in _DIRECTIONS:
+            if not scales[direction]:
                 continue
-            s = torch.cat(scales).float()
+            s = torch.cat(scales[direction])
             s = s[s > 0]  # 0: no step yet
             if s.numel():
                 stats = torch.stack([s.min(), s.median(), s.max()]).tolist()
                 for label, value in zip(("min", "median", "max"), stats, strict=True):
                     logs[f"fp8/scale_{direction}_{label}"] = value
-            logs[f"fp8/amax_{direction}"] = torch.cat(amaxes).max().item()
+            logs[f"fp8/amax_{direction}"] = torch.cat(amaxes[direction]).max().item()
         return logs
 
     def _cast_stats(self) -> dict[str, float | str]:
@@ -137,34 +132,3 @@ class Fp8Telemetry:
                 if fractions[worst] > 0:  # no worst layer when none saturated / flushed
                     logs[f"fp8/worst_{label}_{direction}_layer"] = rows[worst][0]
         return logs
-
-
-def _probe(module: _Fp8Module, counts: _Counts):
-    """A forward hook that counts the casts of ``module``'s input and weight, and hooks its output's
-    gradient to count the gradient's cast, each with the scale the layer applied."""
-
-    def forward_hook(mod: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if not (mod.fp8_enabled and mod.training and torch.is_grad_enabled()):
-            return
-        recipe = module.recipe
-        x = args[0].reshape(-1, args[0].shape[-1])
-        weight = None if module.weight_in_fp8 else module.weight  # stored in FP8: no cast happens
-        with torch.no_grad():
-            counts.add("fwd", x, module.scale[INPUT], recipe.forward_format)
-            if weight is not None:
-                counts.add("fwd", weight, module.scale[WEIGHT], recipe.forward_format)
-        if output.requires_grad:
-            output.register_hook(lambda grad: _count_gradient(module, counts, grad))
-
-    return forward_hook
-
-
-@torch.no_grad()
-def _count_gradient(module: _Fp8Module, counts: _Counts, grad: torch.Tensor) -> None:
-    """Runs before the layer's backward: the scale it will apply is the stored one, or the gradient's
-    own under current scaling and before the first scale update."""
-    recipe, fmt = module.recipe, module.recipe.backward_format
-    own = compute_scale(grad.abs().amax().float(), fmt, recipe.margin)
-    stored = module.scale[GRAD_OUTPUT]
-    scale = own if recipe.scaling == "current" else torch.where(stored > 0, stored, own)
-    counts.add("bwd", grad.reshape(-1, grad.shape[-1]), scale, fmt)

@@ -26,25 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_fp8.backends import te as te_backend
-from hf_fp8.backends.native import _Fp8Module
-from hf_fp8.checkpoint import FP8_STATE_FILE, _te_metas, fp8_state_tensors, load_fp8_state, save_fp8_state
-from hf_fp8.distributed import default_amax_group
+from hf_fp8.backends.registry import backend_class
+from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.formats import gpu_has_fp8
-from hf_fp8.patch import _end_pending_step, _set_recipe, is_patched, patch_model
+from hf_fp8.guard import Fp8NanGuard
+from hf_fp8.patch import is_patched, patch_model
+from hf_fp8.patch_state import get_state
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
+from hf_fp8.step import end_pending_step, set_recipe
 from hf_fp8.telemetry import Fp8Telemetry
 
 __all__ = ["Fp8Trainer", "Fp8TrainerCallback"]
-
-# The role a TE layer's amax history is reported under, by its fp8_meta key.
-_TE_DIRECTIONS = {"scaling_fwd": "forward", "scaling_bwd": "backward"}
 
 
 class Fp8TrainerCallback(TrainerCallback):
@@ -71,14 +68,10 @@ class Fp8TrainerCallback(TrainerCallback):
         self.sample_layers = sample_layers
         self.max_consecutive_skips = max_consecutive_skips
         self.report: PatchReport | None = None
-        self.skipped_steps = 0
-        self._consecutive_skips = 0
         self._model: nn.Module | None = None
         self._telemetry: Fp8Telemetry | None = None
-        self._losses: list[torch.Tensor] = []
-        self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._guard: Fp8NanGuard | None = None
         self._pending_logs: dict[str, Any] = {}
-        self._loss_hook = None
         # Where Fp8Trainer.train was told to resume from (a plain Trainer does not tell callbacks).
         self.resume_from: str | None = None
         if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
@@ -88,6 +81,11 @@ class Fp8TrainerCallback(TrainerCallback):
                 "time; unset it (hf-fp8 launch does) and let hf-fp8 do the FP8",
                 stacklevel=2,
             )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the NaN guard skipped so far."""
+        return self._guard.skipped_steps if self._guard is not None else 0
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -115,15 +113,15 @@ class Fp8TrainerCallback(TrainerCallback):
             return
         recipe = load_fp8_state(self._model, folder, self.recipe)
         if recipe != self.recipe:
-            _set_recipe(self._model, recipe)
+            set_recipe(self._model, recipe)
             self.recipe = recipe
 
     def _set_up(self, model: nn.Module, args: Any) -> None:
-        """Patch ``model`` (or take the recipe of an already patched one) and hook it for the guard and
-        the telemetry."""
+        """Patch ``model`` (or take the recipe of an already patched one) and watch it with the NaN
+        guard and the telemetry."""
         self._model = model
         if is_patched(model):
-            patched_recipe = model._hf_fp8_state.recipe
+            patched_recipe = get_state(model).recipe
             if self.recipe is not None and self.recipe != patched_recipe:
                 warnings.warn(
                     "hf_fp8: the model was already patched with another recipe than the callback's; the "
@@ -132,64 +130,37 @@ class Fp8TrainerCallback(TrainerCallback):
                 )
             self.recipe = patched_recipe
         else:
-            self.report = patch_model(model, self.recipe, backend=_backend_for(self.backend, args))
+            self.report = patch_model(
+                model, self.recipe, backend=_backend_for(self.backend, args, self.recipe)
+            )
             self.recipe = self.report.recipe
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
         if not is_patched(model):  # recipe.enabled is False: a high-precision run
             self._telemetry = None
             return
         _check_arguments(args, model)
         self._telemetry = Fp8Telemetry(model, self.sample_layers)
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-        self._loss_hook = model.register_forward_hook(self._watch_loss)
+        self._guard = Fp8NanGuard(model, self.max_consecutive_skips)
 
     # ---- each optimizer step ------------------------------------------------------------------
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         if self._telemetry is None:
             return
-        self._losses.clear()
-        if self.recipe.nan_policy != "raise":
-            self._snapshot = [(t, t.clone()) for t in fp8_state_tensors(self._model).values()]
+        self._guard.begin_step()
         if _log_due(args, state):
             self._telemetry.arm()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
-        if self._telemetry is None:
-            return
-        problem = self._find_non_finite()
-        if problem is None:
-            self._consecutive_skips = 0
-            return
-        where = f"step {state.global_step + 1}: {problem}"
-        policy = self.recipe.nan_policy
-        if policy == "raise":
-            raise FloatingPointError(
-                f"hf_fp8: {where}. The weights are not updated by this step. Set nan_policy: skip_step or "
-                "increase_margin in the recipe to go on past such steps"
-            )
-        self._consecutive_skips += 1
-        if self._consecutive_skips > self.max_consecutive_skips:
-            raise FloatingPointError(
-                f"hf_fp8: {where}; {self._consecutive_skips} non-finite steps in a row, which skipping does "
-                "not cure. Check the data and the learning rate"
-            )
-        for param in self._model.parameters():
-            param.grad = None  # the optimizer leaves parameters without gradients alone
-        for live, saved in self._snapshot:
-            live.copy_(saved)
-        self._model._hf_fp8_state.step_pending = False
-        self.skipped_steps += 1
-        action = "skipped the step and rolled the amax histories back"
-        if policy == "increase_margin":
-            self.recipe = self.recipe.replace(margin=self.recipe.margin + 1)
-            _set_recipe(self._model, self.recipe)
-            action += f", margin now {self.recipe.margin}"
-        warnings.warn(f"hf_fp8: {where}; {action}", stacklevel=2)
+        if self._guard is not None:
+            self._guard.check(step=state.global_step + 1)
+            self.recipe = get_state(self._model).recipe  # increase_margin changes it
 
     def on_optimizer_step(self, args, state, control, **kwargs) -> None:
         if self._telemetry is not None:
-            _end_pending_step(self._model)
+            end_pending_step(self._model)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self._telemetry is None or not self._telemetry.armed:
@@ -226,53 +197,6 @@ class Fp8TrainerCallback(TrainerCallback):
             )
             return
         save_fp8_state(self._model, folder, self.recipe)
-
-    # ---- the NaN guard ------------------------------------------------------------------------
-
-    def _watch_loss(self, module: nn.Module, args: tuple, outputs: Any) -> None:
-        """Keep the loss the model returned (HF models return it first, as ``loss`` or in a tuple)."""
-        if isinstance(outputs, dict):
-            loss = outputs.get("loss")
-        elif isinstance(outputs, tuple) and outputs and torch.is_tensor(outputs[0]) and outputs[0].dim() == 0:
-            loss = outputs[0]
-        else:
-            loss = getattr(outputs, "loss", None)
-        if module.training and torch.is_tensor(loss):
-            self._losses.append(loss.detach())
-
-    @torch.no_grad()
-    def _find_non_finite(self) -> str | None:
-        """What is non-finite in this step (loss, gradients, amaxes per layer and role), or ``None``.
-        One host sync, and one all-reduce of the flags when distributed, so that every rank sees what
-        any rank saw and all take the same decision."""
-        model = self._model
-        device = next(model.parameters()).device
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        layers = _amax_histories(model)
-        roles = [(name, role) for name, histories in layers for role, _ in histories]
-        histories = [h for _, per_role in layers for _, h in per_role]
-        finite = torch.tensor(True, device=device)
-        loss_ok = torch.stack(self._losses).isfinite().all() if self._losses else finite
-        grads_ok = torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else finite
-        # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
-        amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
-        amaxes_ok = torch.stack(amax_max).to(device).isfinite() if histories else finite.new_empty(0)
-        bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
-        group = default_amax_group()
-        if group is not None:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        loss_bad, grad_bad, *amax_bad = bad.tolist()
-        if not (loss_bad or grad_bad or any(amax_bad)):
-            return None
-        parts = []
-        if any(amax_bad):
-            parts.append(_first_non_finite_amax([r for r, b in zip(roles, amax_bad, strict=True) if b]))
-        if loss_bad:
-            parts.append("the loss is non-finite")
-        if not parts:
-            seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
-            parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
-        return "; ".join(parts)
 
 
 class Fp8Trainer(Trainer):
@@ -311,7 +235,7 @@ class Fp8Trainer(Trainer):
 
 def _check_arguments(args: Any, model: nn.Module) -> None:
     """Warn about TrainingArguments that fight FP8, and say what runs where FP8 cannot."""
-    backend = model._hf_fp8_state.backend
+    backend = get_state(model).backend
     if getattr(args, "fp16", False):
         warnings.warn(
             "hf_fp8: fp16=True runs everything outside the FP8 layers in float16 under a loss scaler, "
@@ -319,10 +243,10 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
             "would skip reach the NaN guard, which raises by default); use bf16=True",
             stacklevel=3,
         )
-    if backend == "te" and _checkpointing_requested(args):
+    if backend.recompute_problem is not None and _checkpointing_requested(args):
         raise ValueError(
-            "hf_fp8: gradient_checkpointing with the Transformer Engine backend would recompute layers "
-            "outside te.autocast; set gradient_checkpointing=False or patch with backend='native'"
+            f"hf_fp8: gradient_checkpointing with the {backend.name} backend "
+            f"{backend.recompute_problem}; set gradient_checkpointing=False or patch with backend='native'"
         )
     device = getattr(args, "device", None) or next(model.parameters()).device
     if device.type == "cpu":
@@ -349,13 +273,13 @@ def _checkpointing_requested(args: Any) -> bool:
     return bool(getattr(args, name, False))
 
 
-def _backend_for(backend: str, args: Any) -> str:
+def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
     Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later)."""
     if backend != "auto":
         return backend
     device = getattr(args, "device", torch.device("cpu"))
-    return "te" if device.type == "cuda" and te_backend.te_usable()[0] else "native"
+    return backend_class("auto", device, recipe or Fp8Recipe.from_launcher()).name
 
 
 def _logging_strategy(args: Any) -> str:
@@ -393,28 +317,3 @@ def _saved_checkpoint(args: Any, step: int) -> Path | None:
         return direct
     runs = sorted(Path(args.output_dir).glob(f"*/{name}"), key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
-
-
-def _amax_histories(model: nn.Module) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
-    """Per FP8 layer (forward order) its amax histories by role: native layers per tensor, TE layers
-    per direction."""
-    layers = []
-    for name, module in model.named_modules():
-        if isinstance(module, _Fp8Module):
-            roles = list(zip(("input", "weight", "grad_output"), module.amax_history, strict=True))
-        elif te_backend.has_scaling_state(module):
-            roles = [(_TE_DIRECTIONS[key], meta.amax_history) for key, meta in _te_metas(module)]
-        else:
-            continue
-        layers.append((name, roles))
-    return layers
-
-
-def _first_non_finite_amax(bad: list[tuple[str, str]]) -> str:
-    """Name the layer where it started: the first in forward order with a non-finite forward amax,
-    else the last with a non-finite gradient amax (the first the backward reached). ``bad`` holds the
-    (layer, role) pairs with a non-finite amax, in forward order."""
-    forward = [(n, r) for n, r in bad if r in ("input", "weight", "forward")]
-    layer = forward[0][0] if forward else bad[-1][0]
-    roles = [r for n, r in bad if n == layer]
-    return f"non-finite amax of {'/'.join(roles)} in layer {layer!r}"

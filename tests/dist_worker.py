@@ -24,6 +24,7 @@ import tiny_models as tm
 from peft import LoraConfig, get_peft_model
 
 from hf_fp8 import RECIPES, patch_model
+from hf_fp8.patch_state import get_state
 
 STEPS, GLOBAL_BATCH, LENGTH = 4, 4, 32
 
@@ -54,11 +55,12 @@ def main(out_dir: str, wrap: str = "") -> None:
     own = {}
     all_reduce = dist.all_reduce
     calls = {"all_reduce": 0}
-    index = patched._hf_fp8_state.fp8_modules.index(layer)
+    index = get_state(patched).backend.layers.index(layer)
 
     def counting_all_reduce(tensor, *args, **kwargs):  # DDP's gradient buckets go through C++, not here
         calls["all_reduce"] += 1
-        own["amax"] = tensor[index].tolist()  # this rank's own newest amaxes, before the reduction
+        # this rank's own newest amaxes (per layer: input, weight, grad_output), before the reduction
+        own["amax"] = tensor.view(-1, 3)[index].tolist()
         return all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counting_all_reduce

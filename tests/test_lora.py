@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, is_patched, patch_model, unpatch_model
-from hf_fp8.backends.native import Fp8Conv1D, _Fp8Module
 from hf_fp8.demo import load_text
+from hf_fp8.linear import Fp8Conv1D, Fp8Module
+from hf_fp8.patch_state import get_state
 from hf_fp8.peft import from_pretrained_fp8, merge_and_unload
 from hf_fp8.stored_weight import Fp8StoredWeight
 
@@ -51,16 +52,7 @@ def text_batches(steps: int, batch: int = 8, length: int = 64) -> list[dict[str,
 
 
 def train(model, batches, arch="llama", lr=5e-2) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    losses = []
-    for batch in batches:
-        loss = tm.loss_of(arch, model(**batch))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return tm.train(model, batches, arch, lr=lr)
 
 
 def fp8_lora(arch: str, order: str):
@@ -91,7 +83,7 @@ def test_lora_learns_like_high_precision_lora_in_either_order(arch, order):
     assert drop == pytest.approx(reference_drop, rel=0.05)
     assert tail(losses) == pytest.approx(tail(reference), rel=0.05)
 
-    base_layers = [m for m in peft_model.modules() if isinstance(m, _Fp8Module)]
+    base_layers = [m for m in peft_model.modules() if isinstance(m, Fp8Module)]
     expected = {"llama": 14, "gpt2": 8}[arch]  # 7 / 4 targeted GEMMs a block, 2 blocks
     assert len(base_layers) == expected
     assert all(stored_in_fp8(m.weight) and not m.weight.requires_grad for m in base_layers)
@@ -150,7 +142,7 @@ def test_fp8_base_weights_take_at_most_0_55x_the_bytes_of_bf16():
     bf16_bytes = sum(m.weight.nbytes for m in layers)
     peft_model = fp8_lora("llama", "patch_first").to(torch.bfloat16)
     peft_model(**tm.batch_for("llama", 16))  # frozen weights are stored in FP8 at the first forward
-    base = [m for m in peft_model.modules() if isinstance(m, _Fp8Module)]
+    base = [m for m in peft_model.modules() if isinstance(m, Fp8Module)]
     fp8_bytes = sum(m.weight._data.untyped_storage().nbytes() + m.weight_scale.nbytes for m in base)
     assert len(base) == len(layers)
     assert fp8_bytes <= 0.55 * bf16_bytes
@@ -300,7 +292,7 @@ def test_gpu_from_pretrained_fp8_never_holds_the_model_in_bf16(tmp_path):
     peak = torch.cuda.max_memory_allocated() - before
     resident = torch.cuda.memory_allocated() - before
 
-    layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Module)]
     assert len(layers) == 16 * 7 and all(stored_in_fp8(m.weight) for m in layers)
     # 54.5M linear weights at 1 byte, 1M embedding and head values at 2 bytes: 0.51x the BF16 bytes.
     assert resident < 0.55 * bf16_bytes, "FP8 linear weights, the rest (embeddings, head, norms) in BF16"
@@ -317,7 +309,7 @@ def test_from_pretrained_fp8_gives_the_patched_frozen_model(tmp_path):
     model, report = from_pretrained_fp8(tmp_path, device="cpu")
     assert report.recipe.fp8_weights and len(report.converted) == 14
     assert all(not p.requires_grad for p in model.parameters())
-    layers = [m for m in model.modules() if isinstance(m, _Fp8Module)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Module)]
     assert len(layers) == 14 and all(stored_in_fp8(m.weight) for m in layers)
     assert model.lm_head.weight.dtype == torch.bfloat16, "the head stays in the checkpoint's precision"
 
@@ -390,7 +382,7 @@ def test_merge_after_peft_first_keeps_the_model_patched():
     peft_model = fp8_lora("llama", "peft_first")
     train(peft_model, text_batches(2))
     merged = merge_and_unload(peft_model)
-    assert is_patched(merged) and "_hf_fp8_state" not in vars(peft_model)
+    assert is_patched(merged) and get_state(peft_model, own=True) is None
     layer = merged.model.layers[0].mlp.up_proj
     steps = layer.fp8_steps.item()
     merged.train()

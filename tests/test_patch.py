@@ -13,6 +13,7 @@ from transformers.pytorch_utils import Conv1D
 import hf_fp8
 from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8PaddingCollator, Fp8Recipe, is_patched, patch_model, unpatch_model
 from hf_fp8.padding import pad_batch
+from hf_fp8.patch_state import get_state
 
 OUTPUT_HEAD = "output head (set convert_lm_head: true to convert)"
 TIED = "weight tied to the input embeddings (set convert_lm_head: true to convert)"
@@ -197,7 +198,7 @@ def test_a_failing_forward_leaves_no_state_behind():
     ids = torch.randint(4, 256, (2, 13))
     with pytest.raises(ValueError):
         model(input_ids=ids, labels=ids[:, :5])  # labels of the wrong length
-    assert model._hf_fp8_state.calls == []
+    assert get_state(model).calls == []
     model(input_ids=ids, labels=ids).loss.backward()  # and the next one works
 
 

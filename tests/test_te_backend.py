@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_fp8 import Fp8Recipe, patch_model, unpatch_model
 from hf_fp8.backends import te as te_backend
+from hf_fp8.patch_state import get_state
 
 
 def te_importable() -> bool:
@@ -67,17 +68,8 @@ needs_te = pytest.mark.skipif(not te_importable(), reason="needs Transformer Eng
 
 
 def train_steps(model, arch, steps=3, seed=0):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        batch = {k: v.cuda() for k, v in tm.batch_for(arch, 32, seed=seed + step).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = tm.loss_of(arch, model(**batch))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = [tm.batch_for(arch, 32, seed=seed + step) for step in range(steps)]
+    return tm.train(model, batches, arch, lr=1e-3, autocast=torch.bfloat16)
 
 
 @gpu
@@ -169,7 +161,7 @@ def test_gradient_checkpointing_is_refused_with_te():
     patch_model(model, backend="te")
     with pytest.raises(RuntimeError, match=r"gradient checkpointing.*backend='native'"):
         model(**{k: v.cuda() for k, v in tm.batch_for("llama", 32).items()})
-    assert not model._hf_fp8_state.calls, "the failed forward left no state behind"
+    assert not get_state(model).calls, "the failed forward left no state behind"
 
 
 @gpu

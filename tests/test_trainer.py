@@ -20,10 +20,11 @@ from hf_fp8 import (
     patch_model,
     save_fp8_state,
 )
-from hf_fp8.backends.native import Fp8Linear
+from hf_fp8.backends.te import recomputes_activations
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_dict
 from hf_fp8.demo import load_text
-from hf_fp8.patch import _recomputes_activations
+from hf_fp8.linear import Fp8Linear
+from hf_fp8.patch_state import get_state
 
 LENGTH = 64
 
@@ -324,7 +325,7 @@ def test_gradient_accumulation_ends_one_fp8_step_per_micro_batch(text_rows, tmp_
     assert layer.fp8_steps.item() == 24, (
         "every micro-batch is an FP8 step, the last ended at the optimizer step"
     )
-    assert not accumulated.model._hf_fp8_state.step_pending
+    assert not get_state(accumulated.model).step_pending
     whole = train("llama", text_rows, tmp_path / "whole", max_steps=6)
     assert losses(accumulated)[5] == pytest.approx(losses(whole)[5], rel=0.02)
 
@@ -339,7 +340,7 @@ def test_gradient_checkpointing_recomputes_with_the_same_scales(text_rows, tmp_p
     checkpointed = train(
         "llama", text_rows, tmp_path / "gc", max_steps=8, logging_steps=1, **{recompute: True}
     )
-    assert _recomputes_activations(checkpointed.model)
+    assert recomputes_activations(checkpointed.model)
     a, b = fp8_state_dict(plain.model), fp8_state_dict(checkpointed.model)
     assert all(torch.equal(a[k], b[k]) for k in a), "histories advanced once a step, with the same amaxes"
     assert losses(checkpointed) == pytest.approx(losses(plain), rel=1e-5)

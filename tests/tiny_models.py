@@ -147,3 +147,27 @@ def loss_of(arch: str, outputs) -> torch.Tensor:
         hidden, pooled = outputs.last_hidden_state.float(), outputs.pooler_output.float()
         return hidden[..., :16].pow(2).mean() + pooled[..., :16].pow(2).mean()
     return outputs.loss
+
+
+def train(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    arch: str = "llama",
+    lr: float = 1e-3,
+    autocast: torch.dtype | None = None,
+) -> list[float]:
+    """The tests' training loop: AdamW over the trainable parameters, one step per batch (moved to the
+    model's device), optionally under autocast; returns the losses."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    device = next(model.parameters()).device
+    model.train()
+    losses = []
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = loss_of(arch, model(**batch))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -1,27 +1,37 @@
-"""Transformer Engine backend: HF layers -> ``te.Linear`` / ``te.LayerNorm`` / ``te.RMSNorm``, and
-Llama-family decoder blocks -> ``te.LayerNormLinear`` (input norm + q/k/v) and ``te.LayerNormMLP``
-(post-attention norm + gate/up/down with SwiGLU).
+"""Transformer Engine backend (:class:`TeBackend`): HF layers -> ``te.Linear`` / ``te.LayerNorm`` /
+``te.RMSNorm``, and Llama-family decoder blocks -> ``te.LayerNormLinear`` (input norm + q/k/v) and
+``te.LayerNormMLP`` (post-attention norm + gate/up/down with SwiGLU); each forward runs inside
+``te.autocast`` with the recipe translated to TE's, the backward outside it.
 
 Transformer Engine is optional: this module imports it only when the backend is used. Weights are
 copied exactly; HF ``state_dict`` keys are kept through state-dict hooks (q/k/v split back out of the
 fused weight, Conv1D weights transposed back, TE's pickled ``_extra_state`` left out), so a patched
 model's ``save_pretrained`` loads into a plain model and a plain checkpoint loads into a patched one.
+The delayed-scaling state of each layer (its ``fp8_meta``) is reported by role and saved by
+:mod:`hf_fp8.checkpoint` without pickle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
+from hf_fp8.backends.base import Fp8Backend, FusedBlock, LayerScaling, Replaced, RoleScaling
 from hf_fp8.formats import FP8_ALIGNMENT, compute_scale, gpu_has_fp8
+from hf_fp8.module_tree import get_path, set_path
 from hf_fp8.norms import norm_eps, norm_kind
 from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.report import CONVERTED, PatchReport
+from hf_fp8.selection import excluded_by, record
 
 _INSTALL_HINT = (
     "install it with `pip install 'hf-fp8[te]'` (Transformer Engine for PyTorch; needs CUDA), or use "
@@ -102,17 +112,197 @@ def to_te_recipe(recipe: Fp8Recipe):
     return Float8BlockScaling()
 
 
-def is_te_module(module: nn.Module) -> bool:
+def _is_te_module(module: nn.Module) -> bool:
     """Whether ``module`` is already a Transformer Engine module (or one of our fused wrappers)."""
     if isinstance(module, (_FusedAttentionInput, _QkvSlice)):
         return True
     return getattr(module, "_hf_fp8_te", False) or type(module).__module__.startswith("transformer_engine.")
 
 
-def has_scaling_state(module: nn.Module) -> bool:
+def _has_scaling_state(module: nn.Module) -> bool:
     """Whether ``module`` is a TE layer that keeps FP8 scaling state (``fp8_meta``); our fused
     wrappers delegate to such layers and keep none of their own."""
-    return is_te_module(module) and isinstance(getattr(module, "fp8_meta", None), dict)
+    return _is_te_module(module) and isinstance(getattr(module, "fp8_meta", None), dict)
+
+
+class TeBackend(Fp8Backend):
+    """Transformer Engine modules for linear layers and norms, fused Llama-family blocks, and
+    ``te.autocast`` around each forward. TE ends its own FP8 steps inside its autocast."""
+
+    name = "te"
+    keeps_norms = None
+    recompute_problem = "would recompute layers outside te.autocast, in another precision"
+
+    def __init__(self, recipe: Fp8Recipe) -> None:
+        super().__init__(recipe)
+        self.te_recipe = to_te_recipe(recipe)
+        self.originals: list[_Original] = []
+
+    @classmethod
+    def usable(cls, device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, "the model is not on a GPU"
+        return te_usable()
+
+    @classmethod
+    def check(cls, recipe: Fp8Recipe) -> None:
+        load_te()  # raises with the reason and the way out
+        to_te_recipe(recipe)  # refuses what TE cannot do
+
+    @classmethod
+    def owns(cls, module: nn.Module) -> bool:
+        return _is_te_module(module)
+
+    @classmethod
+    def layer_scaling(cls, name: str, module: nn.Module) -> LayerScaling | None:
+        if not _has_scaling_state(module):
+            return None
+        roles, tensors = {}, {}
+        for key, meta in _te_metas(module):
+            direction = _DIRECTIONS[key]
+            roles["forward" if direction == "fwd" else "backward"] = RoleScaling(
+                direction, meta.amax_history, meta.scale
+            )
+            tensors.update({f"{key}.{t}": getattr(meta, t) for t in ("scale", "amax_history")})
+        return LayerScaling(name, module, roles, tensors) if roles else None
+
+    def convert_linear(self, module: nn.Module) -> nn.Module:
+        return _te_linear(module, self.recipe)
+
+    def convert_norm(self, module: nn.Module, kind: str) -> tuple[nn.Module | None, str]:
+        new = _te_norm(module, kind)
+        if new is None:
+            return (
+                None,
+                "norm: no Transformer Engine equivalent (no affine weight, or no bias); kept as it is",
+            )
+        return new, f"te.{type(new).__name__}"
+
+    def fuse(self, name: str, block: nn.Module) -> FusedBlock | None:
+        members = [f"{name}.{member}" for member in FUSED_MEMBERS]
+        if not _fusable(block) or any(excluded_by(m, self.recipe) for m in members):
+            return None
+        records = []
+        for member, (kind, reason) in FUSED_MEMBERS.items():
+            module = get_path(block, member)
+            flops = module.in_features * module.out_features if kind == "linear" else 0
+            records.append(record(f"{name}.{member}", module, kind, CONVERTED, reason, flops))
+        replacements, handles = _fuse_block(block, self.recipe)
+        return FusedBlock(records, replacements, handles)
+
+    def attach(
+        self, model: nn.Module, replaced: list[Replaced], report: PatchReport
+    ) -> list[RemovableHandle]:
+        skeletons: dict[int, nn.Module] = {}
+        for entry in replaced:
+            original = entry.original
+            if original is None:  # a new attribute (the fused q/k/v owner): removed on undo
+                self.originals.append(_Original(entry.path, None))
+                continue
+            current = get_path(model, entry.path)
+            shared = tuple(
+                name
+                for name, p in original.named_parameters(recurse=False)
+                if getattr(current, name, None) is p
+            )
+            skeleton = skeletons.setdefault(id(original), _skeleton(original))
+            device = next(itertools.chain(original.parameters(), original.buffers()), torch.empty(0)).device
+            self.originals.append(_Original(entry.path, skeleton, shared, device))
+        return _install_state_dict_hooks(model)
+
+    def unpatch(self, model: nn.Module) -> None:
+        """The original modules back, each on its replacement's device, with the weights in HF's keys and
+        layouts (through the block hooks, still on the model). Shared parameters are handed back."""
+        state_dict = model.state_dict()
+        restored: dict[int, nn.Module] = {}
+        for original in reversed(self.originals):
+            current = get_path(model, original.path)
+            if original.skeleton is None:
+                set_path(model, original.path, None)
+                continue
+            module = restored.get(id(original.skeleton))
+            if module is None:
+                module = original.skeleton.to_empty(device=original.device)
+                for name in original.shared:
+                    setattr(module, name, getattr(current, name))
+                restored[id(original.skeleton)] = module
+            set_path(model, original.path, module)
+        model.load_state_dict(state_dict, strict=True)  # every restored weight must come back
+
+    def forward_context(self, model: nn.Module, fp8: bool, group: Any) -> contextlib.AbstractContextManager:
+        if fp8 and model.training and recomputes_activations(model):
+            raise RuntimeError(
+                "hf_fp8: gradient checkpointing with the Transformer Engine backend "
+                f"{self.recompute_problem}; disable it or use backend='native'"
+            )
+        import transformer_engine.pytorch as te
+
+        return te.autocast(enabled=fp8, recipe=self.te_recipe, amax_reduction_group=group)
+
+    def end_step(self, group: Any) -> None:
+        """Nothing to do: TE reduces amaxes and updates scales inside ``te.autocast``."""
+
+    def set_recipe(self, recipe: Fp8Recipe) -> None:
+        super().set_recipe(recipe)
+        self.te_recipe = to_te_recipe(recipe)
+
+    def prepare_to_load(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        for name, module in model.named_modules():
+            saved_scale = state.get(f"{name}.scaling_fwd.scale")
+            if saved_scale is not None and _has_scaling_state(module):
+                _create_te_metas(module, self.te_recipe, num_gemms=saved_scale.numel() // 3)
+
+
+@dataclass
+class _Original:
+    """A replaced module, kept as a meta-device copy (its class and configuration, no memory), with the
+    names of the parameters its replacement shares (the same objects, handed back on unpatch)."""
+
+    path: str
+    skeleton: nn.Module | None
+    shared: tuple[str, ...] = ()
+    device: torch.device | None = None
+
+
+def _skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device: its class and
+    configuration without its memory, to rebuild it on unpatch."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)
+
+
+def recomputes_activations(model: nn.Module) -> bool:
+    """Gradient (since transformers 5: activation) checkpointing is on."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), attr) or attr in vars(model):
+            return bool(getattr(model, attr))
+    return False
+
+
+# A TE layer's delayed-scaling meta by fp8_meta key, and the direction of the tensors it scales.
+_DIRECTIONS = {"scaling_fwd": "fwd", "scaling_bwd": "bwd"}
+
+
+def _te_metas(module: nn.Module) -> list:
+    """(key, meta) for a TE layer's delayed-scaling meta (none before its first FP8 forward)."""
+    metas = getattr(module, "fp8_meta", {})
+    return [(k, metas[k]) for k in _DIRECTIONS if k in metas and hasattr(metas[k], "amax_history")]
+
+
+def _create_te_metas(module: nn.Module, te_recipe, num_gemms: int) -> None:
+    """Make a TE layer's delayed-scaling meta before its first forward, as that forward would (the
+    number of GEMMs comes from the saved state: 3 forward tensors each), so loaded values are kept:
+    TE's first forward finds meta of the recipe's kind and leaves it alone."""
+    if getattr(module, "fp8_meta_tensors_initialized", False):
+        return
+    module.fp8_meta["recipe"] = te_recipe
+    module.fp8_meta["num_gemms"] = num_gemms
+    module.init_fp8_meta_tensors(te_recipe)
 
 
 @contextlib.contextmanager
@@ -146,7 +336,7 @@ def _take_over(param: nn.Parameter, value: torch.Tensor, source: nn.Parameter) -
         param.update_usage(rowwise_usage=True, columnwise_usage=False)
 
 
-def convert_linear(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
+def _te_linear(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
     """``te.Linear`` computing what ``module`` (``nn.Linear`` or ``Conv1D``) computes, same weights."""
     if isinstance(module, Conv1D):
         weight, in_features, out_features = module.weight.t(), module.nx, module.nf
@@ -203,7 +393,7 @@ def _fp8_on() -> bool:
     return FP8GlobalStateManager.is_fp8_enabled()
 
 
-def convert_norm(module: nn.Module, kind: str) -> nn.Module | None:
+def _te_norm(module: nn.Module, kind: str) -> nn.Module | None:
     """``te.LayerNorm`` / ``te.RMSNorm`` for an HF norm of ``kind``; ``None`` when TE has no match."""
     te = load_te()
     weight = getattr(module, "weight", None)
@@ -238,7 +428,7 @@ def _ignore_missing_extra_state(module: nn.Module, incompatible_keys) -> None:
         incompatible_keys.missing_keys.remove(key)
 
 
-def install_state_dict_hooks(model: nn.Module) -> list:
+def _install_state_dict_hooks(model: nn.Module) -> list:
     """Hooks on the top-level model that keep HF checkpoints free of TE's extra state; returns handles."""
     return [
         model.register_state_dict_post_hook(_drop_extra_state),
@@ -308,7 +498,20 @@ class _QkvSlice(nn.Module):
         return self.owner.part(x, self.index)
 
 
-def fusable(layer: nn.Module) -> bool:
+# The members of a fused block, what each is, and the report's reason.
+FUSED_MEMBERS = {
+    "input_layernorm": ("rmsnorm", "fused into te.LayerNormLinear with q/k/v"),
+    "self_attn.q_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "self_attn.k_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "self_attn.v_proj": ("linear", "fused into te.LayerNormLinear (input_layernorm + q/k/v)"),
+    "post_attention_layernorm": ("rmsnorm", "fused into te.LayerNormMLP with the MLP"),
+    "mlp.gate_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+    "mlp.up_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+    "mlp.down_proj": ("linear", "fused into te.LayerNormMLP (post_attention_layernorm + SwiGLU MLP)"),
+}
+
+
+def _fusable(layer: nn.Module) -> bool:
     """A Llama-family decoder block (Llama, Mistral, Qwen2/3): RMSNorm -> q/k/v, RMSNorm -> SwiGLU MLP,
     plain ``nn.Linear`` projections with dimensions that are multiples of 16, no MLP biases, and q/k/v
     (and gate/up) either all training or all frozen, since each group becomes one weight."""
@@ -335,8 +538,8 @@ def fusable(layer: nn.Module) -> bool:
     return all(n is not None and norm_kind(n) == "rmsnorm" for n in norms)
 
 
-def fuse_block(layer: nn.Module, recipe: Fp8Recipe) -> tuple[list[tuple[str, nn.Module]], list]:
-    """Fused TE modules for a :func:`fusable` block, without touching it.
+def _fuse_block(layer: nn.Module, recipe: Fp8Recipe) -> tuple[list[tuple[str, nn.Module]], list]:
+    """Fused TE modules for a :func:`_fusable` block, without touching it.
 
     Returns ``(replacements, hooks)``: (path in ``layer``, new module) pairs for the caller to set
     (``self_attn.qkv_fused`` is a new attribute), and the handles of the state-dict hooks registered on
@@ -437,11 +640,3 @@ def _map_fused_keys(layer: nn.Module, fused: dict[str, nn.Module], sizes: tuple[
             state_dict.setdefault(prefix + key, tensor.detach())
 
     return [layer.register_state_dict_post_hook(save), layer.register_load_state_dict_pre_hook(load)]
-
-
-def autocast(te_recipe: Any, enabled: bool, group: Any = None):
-    """``te.autocast`` for one forward of the whole model (the backward runs outside it); ``group`` is
-    the data-parallel group whose ranks reduce their amaxes together."""
-    import transformer_engine.pytorch as te
-
-    return te.autocast(enabled=enabled, recipe=te_recipe, amax_reduction_group=group)

@@ -1,0 +1,55 @@
+"""The FP8 backends, chosen by name or by what the machine can run, and the one walk over the FP8
+layers of a model and their scaling state, whichever backend made them.
+
+A backend is a subclass of :class:`~hf_fp8.backends.base.Fp8Backend` in a file of its own, listed in
+``BACKENDS`` below; ``backend="auto"`` takes the first one, in this order, that is usable for the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hf_fp8.backends.base import Fp8Backend, LayerScaling
+from hf_fp8.backends.native import NativeBackend
+from hf_fp8.backends.te import TeBackend
+from hf_fp8.recipe import Fp8Recipe
+
+__all__ = ["BACKENDS", "backend_class", "fp8_layers", "is_fp8_module", "plain_module"]
+
+# Preference order for backend="auto".
+BACKENDS: dict[str, type[Fp8Backend]] = {cls.name: cls for cls in (TeBackend, NativeBackend)}
+
+
+def backend_class(name: str, device: torch.device, recipe: Fp8Recipe) -> type[Fp8Backend]:
+    """The backend called ``name`` (``"auto"``: the first usable for a model on ``device``), after it
+    checked that it can carry out ``recipe`` here; raises with the reason and the way out."""
+    if name == "auto":
+        name = next(n for n, cls in BACKENDS.items() if cls.usable(device)[0])
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *BACKENDS]}")
+    chosen = BACKENDS[name]
+    chosen.check(recipe)
+    return chosen
+
+
+def fp8_layers(model: nn.Module) -> Iterator[LayerScaling]:
+    """Every FP8 layer of ``model`` that has scaling state, with that state, in module order."""
+    for name, module in model.named_modules():
+        for cls in BACKENDS.values():
+            state = cls.layer_scaling(name, module)
+            if state is not None:
+                yield state
+                break
+
+
+def is_fp8_module(module: nn.Module) -> bool:
+    """Whether ``module`` already belongs to an FP8 backend."""
+    return any(cls.owns(module) for cls in BACKENDS.values())
+
+
+def plain_module(module: nn.Module) -> nn.Module | None:
+    """The plain module an FP8 module came from, where its backend can rebuild it from it alone."""
+    return next((p for cls in BACKENDS.values() if (p := cls.to_plain(module)) is not None), None)

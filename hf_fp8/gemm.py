@@ -1,0 +1,187 @@
+"""The three GEMMs of an FP8 linear layer, forward and backward, on ``torch._scaled_mm``.
+
+* forward  ``y  = x @ W.T``   with x, W in the forward format (E4M3 unless the recipe says E5M2),
+* dgrad    ``dx = dy @ W``    with dy in the backward format (E5M2 for ``hybrid``),
+* wgrad    ``dW = dy.T @ x``  skipped when the weight is frozen.
+
+Accumulation is float32 inside the GEMM; outputs come back in the requested dtype; the bias is added
+in that precision. Only the FP8 copies of x and W are saved for backward, so activations saved by an
+FP8 layer take half the memory of BF16 ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, gpu_has_fp8
+from hf_fp8.scaling import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, pick_scale
+
+__all__ = ["GemmConfig", "fp8_linear", "fp8_mm"]
+
+
+class GemmConfig(NamedTuple):
+    """What an FP8 linear call needs to know besides its tensors."""
+
+    forward_format: Fp8Format
+    backward_format: Fp8Format
+    current_scaling: bool
+    margin: int
+    out_dtype: torch.dtype
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    record: bool,
+    config: GemmConfig,
+    observer=None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with all three GEMMs in FP8.
+
+    ``amax_history`` / ``scale`` are the layer's scaling state (see :mod:`hf_fp8.scaling`); ``record``
+    says whether this call is part of a training step (amaxes and scales are then written).
+    ``weight_scale`` is given when ``weight`` is already stored in FP8. ``observer``, when given, sees
+    every cast a recorded call makes (see :data:`hf_fp8.backends.base.CastObserver`).
+    """
+    return _Fp8LinearFunction.apply(
+        x, weight, bias, amax_history, scale, weight_scale, record, config, observer
+    )
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        amax_history: torch.Tensor,
+        scale: torch.Tensor,
+        weight_scale: torch.Tensor | None,
+        record: bool,
+        config: GemmConfig,
+        observer,
+    ) -> torch.Tensor:
+        # FP8 GEMMs want row-major operands; casts keep their input's layout, so start contiguous.
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        fmt = config.forward_format
+        x_scale, x_fp8 = _cast(x2d, INPUT, amax_history, scale, fmt, config, record, observer)
+        if weight_scale is None:
+            w_scale, w_fp8 = _cast(weight, WEIGHT, amax_history, scale, fmt, config, record, observer)
+        else:  # stored in FP8 (fp8_weights): no cast, no amax
+            w_scale, w_fp8 = weight_scale, weight
+            if record:
+                scale[WEIGHT] = weight_scale
+        # W (out, in) as the column-major right operand: free when W is row-major (nn.Linear), one copy
+        # when it is stored transposed (Conv1D). dgrad below wants the opposite layout.
+        out = fp8_mm(x_fp8, w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
+        if bias is not None:
+            out = out + bias.to(config.out_dtype)
+
+        needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(
+            x_fp8 if needs_w_grad else None, w_fp8 if needs_x_grad else None, x_scale, w_scale
+        )
+        # The state buffers are updated in place by every call of the module (a module may run twice in
+        # one forward), so they ride on ctx rather than through save_for_backward's version checks.
+        ctx.amax_history = amax_history
+        ctx.scale = scale
+        ctx.record = record
+        ctx.config = config
+        ctx.observer = observer
+        ctx.has_bias = bias is not None
+        ctx.input_shape = x.shape
+        ctx.input_dtype = x.dtype
+        ctx.weight_dtype = weight.dtype  # an FP8 weight is frozen: no gradient in this dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_fp8, w_fp8, x_scale, w_scale = ctx.saved_tensors
+        config: GemmConfig = ctx.config
+        fmt = config.backward_format
+        dy = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        dy_scale, dy_fp8 = _cast(
+            dy, GRAD_OUTPUT, ctx.amax_history, ctx.scale, fmt, config, ctx.record, ctx.observer
+        )
+
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # dx = dy @ W: W (out, in) must be the column-major right operand.
+            w_col_major = w_fp8.t().contiguous().t()
+            grad_x = fp8_mm(dy_fp8, w_col_major, dy_scale, w_scale, ctx.input_dtype)
+            grad_x = grad_x.reshape(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            # dW = dy.T @ x contracts over tokens, which must be a multiple of 16: pad with zero rows.
+            dy_t = _pad_rows(dy_fp8, FP8_ALIGNMENT).t().contiguous()
+            x_col_major = _pad_rows(x_fp8, FP8_ALIGNMENT).t().contiguous().t()
+            grad_w = fp8_mm(dy_t, x_col_major, dy_scale, x_scale, ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(dim=0)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+
+
+def _cast(
+    t: torch.Tensor,
+    role: int,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Fp8Format,
+    config: GemmConfig,
+    record: bool,
+    observer,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s scale for this step and ``t`` cast to ``fmt`` with it; the observer sees the cast."""
+    chosen = pick_scale(t, role, amax_history, scale, fmt, config.margin, config.current_scaling, record)
+    t_fp8 = cast_to_fp8(t, chosen, fmt)
+    if record and observer is not None:
+        observer(ROLES[role], t.detach(), chosen, t_fp8)
+    return chosen, t_fp8
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[0] % multiple
+    if extra == 0:
+        return t
+    return torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
+_emulation_warned: set[tuple[str, torch.dtype, torch.dtype]] = set()
+
+
+def fp8_mm(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` (row-major) and ``b`` (column-major).
+
+    Uses ``torch._scaled_mm``. Where it cannot run this pairing (torch without it; cuBLAS has no
+    E5M2 x E5M2 kernel) the product is emulated exactly: FP8 values multiply exactly in float32 and
+    accumulate in float32, as the tensor cores do. Emulation is announced once per pairing.
+    """
+    if _scaled_mm_supported(a, b):
+        return torch._scaled_mm(a, b, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype=out_dtype)
+    key = (a.device.type, a.dtype, b.dtype)
+    if key not in _emulation_warned:
+        _emulation_warned.add(key)
+        warnings.warn(
+            f"hf_fp8: no FP8 GEMM kernel for {a.dtype} x {b.dtype} on {a.device.type}; emulating it "
+            "exactly in float32 (same numerics, no FP8 speed-up)",
+            stacklevel=3,
+        )
+    out = (a.float() @ b.float()) * (a_scale.reciprocal() * b_scale.reciprocal())
+    return out.to(out_dtype)
+
+
+def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if a.is_cuda:
+        return gpu_has_fp8(a.device) and not a.dtype == b.dtype == torch.float8_e5m2
+    return True

@@ -1,0 +1,262 @@
+"""``Fp8Linear`` and ``Fp8Conv1D``: the native backend's FP8 layers, on ``torch.float8_*`` and
+``torch._scaled_mm`` (:mod:`hf_fp8.gemm`).
+
+They run wherever ``torch._scaled_mm`` does (Hopper and Ada GPUs; the CPU in torch >= 2.13), so the
+FP8 numerics of training are the same in CPU tests and on the GPU. Each is a subclass of the layer it
+replaces and shares its ``weight`` / ``bias`` parameters, so ``isinstance`` checks, PEFT's dispatch
+and HF ``state_dict`` keys keep working.
+
+Per tensor role (input, weight, grad_output) a layer keeps an amax history and a scale as
+non-persistent buffers (never in ``state_dict``, so HF checkpoints load unchanged); see
+:mod:`hf_fp8.scaling` for how they are used and updated.
+
+With the recipe's ``fp8_weights``, a frozen weight is stored in FP8 (one byte a value plus a scale):
+quantized once, never re-cast, no weight gradient and no high-precision copy on the device.
+``state_dict`` still gives (and takes) the weight in its original dtype, so checkpoints stay HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_fp8.autocast import fp8_active
+from hf_fp8.backends.base import CastObserver, LayerScaling, RoleScaling
+from hf_fp8.formats import FP8_ALIGNMENT
+from hf_fp8.gemm import GemmConfig, fp8_linear
+from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.scaling import ROLES
+from hf_fp8.stored_weight import Fp8StoredWeight
+
+__all__ = ["STATE_BUFFERS", "Fp8Conv1D", "Fp8Linear", "Fp8Module"]
+
+# The buffers of a layer's scaling state, as they are named in the module and in checkpoints.
+STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
+
+
+class Fp8Module(nn.Module):
+    """State and forward shared by the FP8 replacements of ``nn.Linear`` and HF's ``Conv1D``."""
+
+    recipe: Fp8Recipe
+
+    def _init_fp8(self, recipe: Fp8Recipe | None) -> None:
+        self.recipe = recipe or Fp8Recipe()
+        self._cast_observer: CastObserver | None = None
+        self._reset_fp8_state()
+
+    def _reset_fp8_state(self) -> None:
+        device = self.weight.device
+        history = torch.zeros(len(ROLES), self.recipe.amax_history_len, device=device)
+        self.register_buffer("amax_history", history, persistent=False)
+        self.register_buffer("scale", torch.zeros(len(ROLES), device=device), persistent=False)
+        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+
+    def _adopt(self, source: nn.Module) -> None:
+        """Take over ``source``'s weight and bias (the same Parameter objects) and its mode."""
+        self.weight = source.weight
+        self.bias = source.bias
+        self.train(source.training)
+        self._reset_fp8_state()
+
+    def scaling_state(self, name: str) -> LayerScaling:
+        """This layer's scaling state (live tensors) by role, and by checkpoint key."""
+        directions = ("fwd", "fwd", "bwd")
+        roles = {
+            role: RoleScaling(direction, self.amax_history[i], self.scale[i])
+            for i, (role, direction) in enumerate(zip(ROLES, directions, strict=True))
+        }
+        return LayerScaling(name, self, roles, {b: getattr(self, b) for b in STATE_BUFFERS})
+
+    def observe_casts(self, observer: CastObserver | None) -> None:
+        """Have ``observer`` see every cast of the next training forwards and backwards (``None``: stop)."""
+        self._cast_observer = observer
+
+    @property
+    def weight_in_fp8(self) -> bool:
+        """Whether the weight is stored in FP8 (see :meth:`quantize_weight_`)."""
+        return isinstance(self.weight, Fp8StoredWeight)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """The scale of a weight stored in FP8 (values = FP8 data / scale)."""
+        return self.weight._scale
+
+    @torch.no_grad()
+    def quantize_weight_(self) -> None:
+        """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once.
+
+        The parameter stays the same Python object (optimizers, DDP and tied references keep it) and
+        keeps its shape, device and reported dtype: it becomes an :class:`Fp8StoredWeight` whose FP8
+        values the GEMMs use directly. The high-precision values are freed.
+        """
+        if self.weight_in_fp8:
+            return
+        if self.weight.requires_grad:
+            raise ValueError(
+                "only frozen weights are stored in FP8 (a trainable weight needs its high-precision master "
+                "copy); freeze it first (requires_grad=False), or leave fp8_weights off"
+            )
+        stored = Fp8StoredWeight.quantize(self.weight, self.recipe.forward_format, self.recipe.margin)
+        torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
+
+    @torch.no_grad()
+    def dequantize_weight_(self) -> None:
+        """Undo :meth:`quantize_weight_`: the weight back as a plain tensor (FP8-rounded values)."""
+        if self.weight_in_fp8:
+            torch.utils.swap_tensors(self.weight, nn.Parameter(self.weight.dequantize(), requires_grad=False))
+
+    def dequantized_weight(self, device: torch.device | None = None) -> torch.Tensor:
+        """The weight as a plain tensor in its dtype (a temporary when it is stored in FP8)."""
+        if not self.weight_in_fp8:
+            return self.weight
+        return self.weight.dequantize(device)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
+            destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
+        return fp8_active(self.training, self.recipe.use_during_eval)
+
+    def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
+        stored = self.weight_in_fp8
+        if stored and self.weight.requires_grad:
+            raise RuntimeError(
+                "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
+                "call dequantize_weight_() first to train it in its original precision"
+            )
+        weight = self.weight._data if stored else self.weight
+        weight = weight.t() if transposed else weight
+        weight_scale = self.weight._scale if stored else None
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        config = GemmConfig(
+            forward_format=self.recipe.forward_format,
+            backward_format=self.recipe.backward_format,
+            current_scaling=self.recipe.scaling == "current",
+            margin=self.recipe.margin,
+            out_dtype=out_dtype,
+        )
+        # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
+        # amax histories alone.
+        record = self.training and torch.is_grad_enabled()
+        with torch.autocast(device_type, enabled=False):
+            return fp8_linear(
+                x,
+                weight,
+                bias,
+                self.amax_history,
+                self.scale,
+                weight_scale,
+                record,
+                config,
+                self._cast_observer,
+            )
+
+    def _fp8_repr(self) -> str:
+        r = self.recipe
+        return f"format={r.format}, scaling={r.scaling}, margin={r.margin}"
+
+
+class Fp8Linear(Fp8Module, nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in FP8 while FP8 is active (see :mod:`hf_fp8.autocast`).
+
+    Outside FP8 (eval mode by default) it is exactly ``nn.Linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recipe: Fp8Recipe | None = None,
+    ) -> None:
+        _check_gemm_shape(in_features, out_features)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8(recipe)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
+        """An ``Fp8Linear`` that shares ``linear``'s parameters (same objects, so optimizers and tied
+        weights stay valid)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
+        new._adopt(linear)
+        return new
+
+    def to_float(self) -> nn.Linear:
+        """The plain ``nn.Linear`` with this layer's parameters (a weight stored in FP8 dequantized)."""
+        with torch.device("meta"):
+            plain = nn.Linear(self.in_features, self.out_features, bias=False)
+        return _hand_back(self, plain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.dequantized_weight(), self.bias)
+        return self._fp8_forward(x, False, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self._fp8_repr()}"
+
+
+class Fp8Conv1D(Fp8Module, Conv1D):
+    """FP8 version of transformers' ``Conv1D`` (GPT-2 and kin): a linear layer whose ``weight`` is stored
+    transposed, as (in, out). The parameter keeps that shape, so checkpoints keep loading."""
+
+    def __init__(self, nf: int, nx: int, recipe: Fp8Recipe | None = None) -> None:
+        _check_gemm_shape(nx, nf)
+        super().__init__(nf, nx)
+        self._init_fp8(recipe)
+
+    @classmethod
+    def from_float(cls, conv: Conv1D, recipe: Fp8Recipe | None = None) -> Fp8Conv1D:
+        """An ``Fp8Conv1D`` sharing ``conv``'s parameters."""
+        with torch.device("meta"):
+            new = cls(conv.nf, conv.nx, recipe=recipe)
+        new._adopt(conv)
+        return new
+
+    def to_float(self) -> Conv1D:
+        """The plain ``Conv1D`` with this layer's parameters (a weight stored in FP8 dequantized)."""
+        with torch.device("meta"):
+            plain = Conv1D(self.nf, self.nx)
+        return _hand_back(self, plain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.dequantized_weight())
+            return out.reshape(*x.shape[:-1], self.nf)
+        return self._fp8_forward(x, True, self.bias)
+
+    def __repr__(self) -> str:
+        return f"Fp8Conv1D(nf={self.nf}, nx={self.nx}, {self._fp8_repr()})"
+
+
+def _hand_back(layer: Fp8Module, plain: nn.Module) -> nn.Module:
+    layer.dequantize_weight_()  # a weight stored in FP8 comes back in its original dtype
+    plain.weight = layer.weight
+    plain.bias = layer.bias
+    plain.train(layer.training)
+    return plain
+
+
+def _check_gemm_shape(in_features: int, out_features: int) -> None:
+    dims = (("in_features", in_features), ("out_features", out_features))
+    bad = {name: n for name, n in dims if n % FP8_ALIGNMENT}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(
+            f"FP8 GEMMs need both dimensions divisible by 16, got {detail}; keep this layer in high "
+            "precision (patch_model skips it by itself) or pad its weight"
+        )

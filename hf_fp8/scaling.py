@@ -1,0 +1,80 @@
+"""Delayed and current scaling for the native FP8 layers: which scale a cast uses, and how a step's
+amaxes become the next step's scales.
+
+Each native FP8 layer keeps, per tensor role (input, weight, grad_output), an amax history (newest
+entry first) and a scale. During a step every cast records its tensor's amax in slot 0 of the role's
+history; at the end of the step :func:`advance_steps` turns the histories into new scales (every
+``interval`` steps) and rolls them so slot 0 is free again. A scale of 0 means "no history yet".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_fp8.formats import Fp8Format, compute_scale
+from hf_fp8.recipe import Fp8Recipe
+
+__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps", "pick_scale"]
+
+# Rows of a layer's ``amax_history`` and entries of its ``scale``.
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+ROLES = ("input", "weight", "grad_output")
+
+
+def pick_scale(
+    t: torch.Tensor,
+    role: int,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Fp8Format,
+    margin: int,
+    current_scaling: bool,
+    record: bool,
+) -> torch.Tensor:
+    """The scale for ``t`` in this step, recording ``t``'s amax in the history when ``record``.
+
+    Delayed scaling uses the stored scale; current scaling, and delayed scaling before its first
+    update (stored scale 0), use ``t``'s own amax. The scale used is written back to ``scale`` so that
+    what a checkpoint or a log reads is what was applied.
+    """
+    amax = t.detach().abs().amax().float()
+    if record:
+        amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
+    just_in_time = compute_scale(amax, fmt, margin)
+    chosen = just_in_time if current_scaling else torch.where(scale[role] > 0, scale[role], just_in_time)
+    if record:
+        scale[role] = chosen
+    return chosen
+
+
+@torch.no_grad()
+def advance_steps(
+    recipe: Fp8Recipe,
+    histories: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    steps: list[torch.Tensor],
+) -> None:
+    """End a step for layers that share ``recipe`` and whose state tensors agree in device, shape and
+    dtype: stacked, updated with one set of kernels, and copied back.
+
+    ``histories[i]`` is layer i's (roles, history length) amax history, ``scales[i]`` its (roles,)
+    scales, ``steps[i]`` its step counter.
+    """
+    history = torch.stack(histories)  # (layers, roles, history length)
+    if recipe.scaling == "delayed":
+        scale = torch.stack(scales)
+        amax = history.amax(dim=2) if recipe.amax_compute_algo == "max" else history[:, :, 0]
+        forward, backward = slice(None, GRAD_OUTPUT), slice(GRAD_OUTPUT, None)
+        new_scale = torch.cat(
+            [
+                compute_scale(amax[:, forward], recipe.forward_format, recipe.margin, scale[:, forward]),
+                compute_scale(amax[:, backward], recipe.backward_format, recipe.margin, scale[:, backward]),
+            ],
+            dim=1,
+        )
+        due = torch.remainder(torch.stack(steps), recipe.interval) == 0
+        torch._foreach_copy_(scales, list(torch.where(due[:, None], new_scale, scale).unbind(0)))
+    rolled = history.roll(1, dims=2)
+    rolled[:, :, 0] = 0
+    torch._foreach_copy_(histories, list(rolled.unbind(0)))
+    torch._foreach_add_(steps, 1)

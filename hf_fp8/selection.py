@@ -1,0 +1,193 @@
+"""Which modules ``patch_model`` converts, and why the others stay: one report entry per module.
+
+Nothing here changes a model; :mod:`hf_fp8.patch` acts on the decisions. The rules, in order, for
+``nn.Linear`` and transformers' ``Conv1D``: already FP8, a subclass with its own behaviour, a PEFT adapter
+weight, ``modules_to_not_convert``, the output head or a weight tied to the input embeddings (unless
+``convert_lm_head``), an MoE router, and dimensions that are not multiples of 16 are skipped; the rest
+converts. Norms are recognised by what they compute; whether a backend converts them is its own
+business. Other modules with matrix weights (MoE experts stored as 3-D tensors) are reported as GEMMs
+left in high precision, so the report's FP8 share of GEMM FLOPs is honest.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from hf_fp8.formats import FP8_ALIGNMENT
+from hf_fp8.norms import norm_kind
+from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord
+
+__all__ = [
+    "ALREADY_FP8",
+    "ModelContext",
+    "excluded_by",
+    "linear_shape",
+    "module_record",
+    "record",
+]
+
+ALREADY_FP8 = "already FP8 (patched before; unpatch_model first to change the recipe)"
+
+_ROUTER_NAMES = ("gate", "router")
+_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+@dataclass
+class ModelContext:
+    """Facts about the whole model that decisions about single modules need."""
+
+    tied_weights: set[int]
+    output_head: nn.Module | None
+    num_experts: int | None
+    experts_per_token: int | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelContext:
+        tied: set[int] = set()
+        inputs = _call_or_none(model, "get_input_embeddings")
+        if inputs is not None and getattr(inputs, "weight", None) is not None:
+            tied.add(id(inputs.weight))
+        config = getattr(model, "config", None)
+        num_experts = next(
+            (
+                getattr(config, key)
+                for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+                if isinstance(getattr(config, key, None), int)
+            ),
+            None,
+        )
+        top_k = getattr(config, "num_experts_per_tok", None)
+        return cls(tied, _call_or_none(model, "get_output_embeddings"), num_experts, top_k)
+
+
+def module_record(
+    name: str, module: nn.Module, recipe: Fp8Recipe, context: ModelContext, is_fp8: bool
+) -> ModuleRecord | None:
+    """The report entry for ``module`` (``None`` for modules that compute no GEMM and are no norm).
+
+    ``action`` is ``converted`` for a GEMM layer that should become FP8, and for a norm a backend may
+    convert (the backend then confirms or keeps it); ``is_fp8`` says the module already belongs to a
+    backend.
+    """
+    if isinstance(module, (nn.Linear, Conv1D)):
+        return _linear_record(name, module, recipe, context, is_fp8)
+    if is_fp8:
+        return record(name, module, "fp8", SKIPPED, ALREADY_FP8, gemm_flops=0)
+    norm = norm_kind(module)
+    if norm is not None:
+        pattern = excluded_by(name, recipe)
+        if pattern is not None:
+            return record(
+                name, module, norm, KEPT, f"norm: matches modules_to_not_convert pattern {pattern!r}", 0
+            )
+        return record(name, module, norm, CONVERTED, "", gemm_flops=0)
+    weights = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    if weights and not isinstance(module, nn.Embedding):
+        return _other_weights_record(name, module, weights, context)
+    return None
+
+
+def excluded_by(name: str, recipe: Fp8Recipe) -> str | None:
+    """The ``modules_to_not_convert`` pattern that matches ``name``, if any (a pattern matches the whole
+    dotted name or a suffix of it)."""
+    return next(
+        (
+            p
+            for p in recipe.modules_to_not_convert
+            if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}")
+        ),
+        None,
+    )
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an ``nn.Linear`` or a ``Conv1D``."""
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def record(
+    name: str, module: nn.Module, kind: str, action: str, reason: str, gemm_flops: int
+) -> ModuleRecord:
+    """A report entry for ``module``, counting its own (not its children's) parameters."""
+    params = sum(p.numel() for p in module.parameters(recurse=False))
+    return ModuleRecord(name, type(module).__name__, kind, action, reason, params, gemm_flops)
+
+
+def _linear_record(
+    name: str, module: nn.Module, recipe: Fp8Recipe, context: ModelContext, is_fp8: bool
+) -> ModuleRecord:
+    in_features, out_features = linear_shape(module)
+    kind = "conv1d" if isinstance(module, Conv1D) else "linear"
+
+    def result(action: str, reason: str = "") -> ModuleRecord:
+        return record(name, module, kind, action, reason, gemm_flops=in_features * out_features)
+
+    if is_fp8:
+        return result(SKIPPED, ALREADY_FP8)
+    if type(module) not in (nn.Linear, Conv1D):
+        base = "Conv1D" if isinstance(module, Conv1D) else "nn.Linear"
+        return result(SKIPPED, f"subclass of {base} with its own behaviour: not converted")
+    if _is_adapter(name):
+        return result(SKIPPED, "PEFT adapter weight: adapters train in high precision")
+    pattern = excluded_by(name, recipe)
+    if pattern is not None:
+        return result(SKIPPED, f"matches modules_to_not_convert pattern {pattern!r}")
+    if not recipe.convert_lm_head:
+        if id(module.weight) in context.tied_weights:
+            return result(
+                SKIPPED, "weight tied to the input embeddings (set convert_lm_head: true to convert)"
+            )
+        if module is context.output_head:
+            return result(SKIPPED, "output head (set convert_lm_head: true to convert)")
+    if _is_router(name, out_features, context):
+        return result(SKIPPED, f"MoE router ({out_features} outputs): routing stays in high precision")
+    if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
+        dims = f"in_features={in_features}, out_features={out_features}"
+        return result(SKIPPED, f"{dims}: FP8 GEMMs need multiples of {FP8_ALIGNMENT}")
+    if not recipe.enabled:
+        return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
+    return result(CONVERTED)
+
+
+def _other_weights_record(name: str, module: nn.Module, weights: list, context: ModelContext) -> ModuleRecord:
+    """A module owning matrix weights that is neither a linear layer nor a norm (MoE experts, routers)."""
+    params = sum(p.numel() for p in weights)
+    class_name = type(module).__name__
+    if "router" in class_name.lower() or name.rsplit(".", 1)[-1] in _ROUTER_NAMES:
+        return record(name, module, "router", SKIPPED, "MoE router: routing stays in high precision", params)
+    num_experts = getattr(module, "num_experts", None) or context.num_experts
+    if num_experts and context.experts_per_token and any(p.dim() == 3 for p in weights):
+        flops = params * context.experts_per_token // num_experts
+        reason = "MoE experts stored as 3-D weights (grouped GEMM): no FP8 kernel yet, kept in high precision"
+    else:
+        flops = params
+        reason = (
+            f"{class_name} computes with its own matrix weights: not an nn.Linear, kept in high precision"
+        )
+    return record(name, module, "other", SKIPPED, reason, flops)
+
+
+def _is_router(name: str, out_features: int, context: ModelContext) -> bool:
+    if context.num_experts is None:
+        return False
+    return name.rsplit(".", 1)[-1] in _ROUTER_NAMES or out_features == context.num_experts
+
+
+def _is_adapter(name: str) -> bool:
+    # PEFT keeps adapters in ModuleDicts named lora_A, lora_B, ... inside each tuner layer.
+    return any(part in _ADAPTER_NAMES for part in name.split("."))
+
+
+def _call_or_none(model: nn.Module, method: str) -> Any:
+    try:
+        return getattr(model, method)()
+    except (AttributeError, NotImplementedError):
+        return None
