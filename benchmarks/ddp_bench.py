@@ -18,7 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from step_bench import SHAPES, build
+from harness import SHAPES, build
 
 import hf_fp8
 

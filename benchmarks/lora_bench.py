@@ -25,8 +25,8 @@ import functools
 import sys
 
 import torch
+from harness import begin_run, build, measure, parse_arguments, print_table, ratio, run_all
 from peft import LoraConfig, get_peft_model
-from step_bench import begin_run, build, measure, parse_arguments, print_table, ratio, run_all
 
 import hf_fp8
 

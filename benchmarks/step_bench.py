@@ -13,38 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
-import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from harness import begin_run, build, measure, parse_arguments, print_table, ratio, run_all
 
 import hf_fp8
 
-SHAPES = {
-    # Llama-3.2-1B: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    # Llama-3-8B's layer shape, 4 layers
-    "8b-4l": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-}
 MODES = (
     "bf16",
     "bf16-compile",
@@ -56,15 +31,6 @@ MODES = (
     "te-fused",
     "te-fused-lmhead",
 )
-
-
-def build(shape: str) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, **SHAPES[shape])
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    return model.train()
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
@@ -92,119 +58,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     step_model = torch.compile(model) if mode.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     return {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args)}
-
-
-def measure(step_model, optimizer, forward_context, args: argparse.Namespace) -> dict:
-    """Train ``step_model`` on one random batch (forward inside ``forward_context``, backward,
-    ``optimizer`` step) ``args.warmup`` times, then time ``args.steps`` steps with CUDA events: the
-    median step, tokens/s, the peak memory of the timed steps and the last loss."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
-
-    def step() -> torch.Tensor:
-        with forward_context():
-            loss = step_model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    start = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for _ in range(args.steps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        loss = step()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-        losses.append(loss.item())
-    ms = statistics.median(times)
-    return {
-        "ms_per_step": ms,
-        "tokens_per_s": args.batch * args.seq / ms * 1e3,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "loss": losses[-1],
-        "warmup_s": warmup_s,
-    }
-
-
-def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
-    """``run_mode`` for each mode, one after the other, each printed (and appended to ``args.out``) as
-    it finishes; a mode that fails is reported and the others still run."""
-    results = []
-    for mode in modes:
-        torch._dynamo.reset()  # each mode compiles from scratch, never into another mode's recompile limit
-        try:
-            result = run_mode(mode, args)
-        except Exception as err:  # report and go on: one broken mode must not hide the others
-            result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
-        gc.collect()
-        torch.cuda.empty_cache()
-        results.append(result)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
-    return results
-
-
-def parse_arguments(
-    description: str, modes: tuple[str, ...], shape: str, argv: list[str] | None
-) -> tuple[argparse.Namespace, list[str]]:
-    """The command line every benchmark here takes, and the modes it asks for (checked)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=shape)
-    parser.add_argument("--modes", default=",".join(modes))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", help="append JSON lines here")
-    args = parser.parse_args(argv)
-    chosen = args.modes.split(",")
-    unknown = sorted(set(chosen) - set(modes))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(modes)}")
-    return args, chosen
-
-
-def begin_run(args: argparse.Namespace, modes: list[str], detail: str = "") -> None:
-    """Import Transformer Engine when a mode needs it, then print the run's header line.
-
-    TE comes first, before CUDA and cuDNN are initialised: imported later, on some hosts it resolves a
-    system cuDNN library that clashes with the one torch already loaded. Even so, on the hosts of
-    RESULTS.md a process with TE loses torch's cuDNN attention, in every mode: run TE modes apart.
-    """
-    if any("te" in mode.split("-") for mode in modes):
-        import transformer_engine.pytorch  # noqa: F401
-    print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
-        f"batch {args.batch} x {args.seq}{detail}",
-        flush=True,
-    )
-
-
-def print_table(
-    results: list[dict], baseline: str, titles: list[str], cells: Callable[[dict, dict | None], list[str]]
-) -> None:
-    """``results`` as a Markdown table, one row per mode: ``cells(result, baseline result)`` gives the
-    columns after the mode (the baseline result is ``None`` when that mode failed or did not run)."""
-    base = next((r for r in results if r["mode"] == baseline and "error" not in r), None)
-    print("\n| mode | " + " | ".join(titles) + " |\n" + "|---" * (len(titles) + 1) + "|")
-    for r in results:
-        row = [f"error: {r['error'][:80]}"] + [""] * (len(titles) - 1) if "error" in r else cells(r, base)
-        print(f"| {r['mode']} | " + " | ".join(row) + " |")
-
-
-def ratio(result: dict, base: dict | None, key: str) -> str:
-    """``result[key]`` over the baseline's, or ``-`` without a baseline."""
-    return f"{result[key] / base[key]:.2f}x" if base else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
