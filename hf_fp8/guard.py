@@ -28,7 +28,7 @@ from torch import nn
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.distributed import default_amax_group
-from hf_fp8.patch_state import get_state
+from hf_fp8.patch_state import get_state, patched_module
 from hf_fp8.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
 
 __all__ = ["Fp8NanGuard"]
@@ -38,15 +38,18 @@ class Fp8NanGuard:
     """Watches a patched model's steps for non-finite values (see the module docstring).
 
     Args:
-        model: a model patched with :func:`hf_fp8.patch_model` (or a wrapper that forwards to it).
+        model: a model patched with :func:`hf_fp8.patch_model`, or a wrapper of one (PEFT, DDP,
+            ``accelerator.prepare``).
         max_consecutive_skips: under ``skip_step`` / ``increase_margin``, raise after this many
             non-finite steps in a row.
     """
 
     def __init__(self, model: nn.Module, max_consecutive_skips: int = 10) -> None:
-        if get_state(model) is None:
+        patched = patched_module(model)
+        if patched is None:
             raise ValueError("Fp8NanGuard needs a patched model: call hf_fp8.patch_model(model) first")
         self.model = model
+        self._patched = patched
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -57,7 +60,7 @@ class Fp8NanGuard:
 
     @property
     def recipe(self):
-        return get_state(self.model).recipe
+        return get_state(self._patched).recipe
 
     def begin_step(self) -> None:
         """Optional: mark the start of a step when the FP8 state may have changed since the last
@@ -73,7 +76,7 @@ class Fp8NanGuard:
         gradients alone), the FP8 scaling state rolls back to before the step, a warning says so, and
         ``False`` is returned. ``step`` only labels the messages.
         """
-        end_pending_step(self.model)  # the state checked is the step boundary's
+        end_pending_step(self._patched)  # the state checked is the step boundary's
         problem = self._find_non_finite()
         self._losses.clear()
         if problem is None:
@@ -95,11 +98,11 @@ class Fp8NanGuard:
             )
         for param in self.model.parameters():
             param.grad = None
-        discard_step(self.model, self._snapshot)
+        discard_step(self._patched, self._snapshot)
         self.skipped_steps += 1
         action = "skipped the step and rolled the amax histories back"
         if policy == "increase_margin":
-            set_recipe(self.model, self.recipe.replace(margin=self.recipe.margin + 1))
+            set_recipe(self._patched, self.recipe.replace(margin=self.recipe.margin + 1))
             action += f", margin now {self.recipe.margin}"
         warnings.warn(f"hf_fp8: {where}; {action}", stacklevel=2)
         self._take_snapshot()

@@ -18,7 +18,7 @@ from hf_fp8.padding import PaddedLengths
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
 
-__all__ = ["ForwardCall", "PatchState", "get_state", "set_state"]
+__all__ = ["ForwardCall", "PatchState", "get_state", "patched_module", "set_state"]
 
 _ATTR = "_hf_fp8_state"
 
@@ -51,6 +51,17 @@ def get_state(model: nn.Module, own: bool = False) -> PatchState | None:
     if own:
         return vars(model).get(_ATTR)
     return getattr(model, _ATTR, None)
+
+
+def patched_module(model: nn.Module) -> nn.Module | None:
+    """The patched model inside ``model``: ``model`` itself, or what a wrapper holds as ``.module``
+    (DDP, FSDP, accelerate's wrappers); ``None`` when there is none."""
+    while get_state(model) is None:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return model
 
 
 def set_state(model: nn.Module, state: PatchState | None) -> None:

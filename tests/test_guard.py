@@ -1,0 +1,81 @@
+"""Fp8NanGuard in a plain training loop (no Trainer): non-finite steps caught before the optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models as tm
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_fp8 import Fp8NanGuard, Fp8Recipe, patch_model
+
+LAYER = "model.layers.1.mlp.down_proj"
+
+
+def poison(module, args):
+    x = args[0].clone()
+    x[0, 0, 0] = float("nan")
+    return (x,)
+
+
+def loop(model, guard, steps: int, poisoned_step: int, layer) -> list[bool]:
+    """Train ``steps`` steps, a NaN put into ``layer``'s input at ``poisoned_step``; what check said."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    results = []
+    for step in range(steps):
+        handle = layer.register_forward_pre_hook(poison) if step == poisoned_step else None
+        batch = tm.batch_for("llama", 32, seed=step)
+        model(**batch).loss.backward()
+        if handle is not None:
+            handle.remove()
+        ok = guard.check(step)
+        if ok:
+            optimizer.step()
+        optimizer.zero_grad()
+        results.append(ok)
+    return results
+
+
+def test_raise_names_the_layer_before_the_weights_change():
+    model = tm.build("llama")
+    patch_model(model)
+    guard = Fp8NanGuard(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(
+        FloatingPointError, match=rf"step 0: non-finite amax of input/grad_output in layer '{LAYER}'"
+    ):
+        loop(model, guard, steps=2, poisoned_step=0, layer=model.get_submodule(LAYER))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+@pytest.mark.parametrize("policy", ["skip_step", "increase_margin"])
+def test_skipping_policies_drop_one_step_and_roll_the_state_back(policy):
+    model = tm.build("llama")
+    patch_model(model, Fp8Recipe(nan_policy=policy))
+    layer = model.get_submodule(LAYER)
+    guard = Fp8NanGuard(model)
+    with pytest.warns(UserWarning, match="skipped the step and rolled the amax histories back"):
+        results = loop(model, guard, steps=6, poisoned_step=3, layer=layer)
+    assert results == [True, True, True, False, True, True]
+    assert guard.skipped_steps == 1
+    assert torch.isfinite(layer.amax_history).all() and all(
+        torch.isfinite(p).all() for p in model.parameters()
+    )
+    assert layer.fp8_steps.item() == 5  # six steps, one rolled back
+    assert layer.recipe.margin == (1 if policy == "increase_margin" else 0)
+
+
+def test_the_guard_finds_the_patch_inside_a_peft_model():
+    model = tm.build("llama")
+    patch_model(model, Fp8Recipe(nan_policy="skip_step"))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    guard = Fp8NanGuard(peft_model)
+    layer = peft_model.get_base_model().get_submodule(LAYER)
+    with pytest.warns(UserWarning, match=LAYER.replace(".", r"\.")):
+        assert loop(peft_model, guard, steps=3, poisoned_step=1, layer=layer) == [True, False, True]
+
+
+def test_an_unpatched_model_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="patch_model"):
+        Fp8NanGuard(tm.build("llama"))
