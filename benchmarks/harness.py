@@ -47,10 +47,24 @@ def build(shape: str) -> LlamaForCausalLM:
     return model.train()
 
 
-def measure(step_model, optimizer, forward_context, args: argparse.Namespace) -> dict:
+def training_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
+    """Model FLOPs of one training step (forward and backward): 6 per token and weight of every linear
+    layer (the output head included), and the causal attention's 6 x layers x seq x width per token."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    config = model.config
+    width = config.num_attention_heads * getattr(
+        config, "head_dim", config.hidden_size // config.num_attention_heads
+    )
+    tokens = batch * seq
+    return 6.0 * linear * tokens + 6.0 * config.num_hidden_layers * seq * width * tokens
+
+
+def measure(step_model, optimizer, forward_context, args: argparse.Namespace, flops: float = 0.0) -> dict:
     """Train ``step_model`` on one random batch (forward inside ``forward_context``, backward,
     ``optimizer`` step) ``args.warmup`` times, then time ``args.steps`` steps with CUDA events: the
-    median step, tokens/s, the peak memory of the timed steps and the last loss."""
+    median step, tokens/s, model TFLOP/s (from ``flops`` per step), the peak memory of the timed
+    steps, the last loss and the warm-up time (compilation included). With ``args.profile``, also
+    where the GPU time of a step goes."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
 
@@ -78,13 +92,51 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace) ->
         times.append(begin.elapsed_time(end))
         losses.append(loss.item())
     ms = statistics.median(times)
-    return {
+    result = {
         "ms_per_step": ms,
         "tokens_per_s": args.batch * args.seq / ms * 1e3,
+        "tflops": flops / ms * 1e-9,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss": losses[-1],
         "warmup_s": warmup_s,
     }
+    if getattr(args, "profile", False):
+        result["gpu_ms"] = gpu_time_by_kind(step)
+    return result
+
+
+# Kernel names by what they compute, for the profile breakdown (first match wins).
+_KERNEL_KINDS = (
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "efficient")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+    ("triton", ("triton",)),
+)
+
+
+def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[str, float]:
+    """GPU milliseconds per step by kernel kind (gemm, attention, triton, optimizer, other) and the
+    kernel count, from torch.profiler over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    kernels = 0
+    for event in prof.key_averages():
+        if not str(getattr(event, "device_type", "")).endswith("CUDA"):
+            continue  # a host-side event: its kernels are counted as themselves
+        device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if device_us <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, marks in _KERNEL_KINDS if any(m in name for m in marks)), "other")
+        totals[kind] = totals.get(kind, 0.0) + device_us / 1e3 / steps
+        kernels += event.count
+    totals["kernels"] = kernels / steps
+    return {k: round(v, 2) for k, v in sorted(totals.items())}
 
 
 def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
@@ -119,6 +171,9 @@ def parse_arguments(
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", help="append JSON lines here")
+    parser.add_argument(
+        "--profile", action="store_true", help="also break a step's GPU time down by kernel kind"
+    )
     args = parser.parse_args(argv)
     chosen = args.modes.split(",")
     unknown = sorted(set(chosen) - set(modes))

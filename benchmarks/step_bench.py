@@ -1,11 +1,23 @@
-"""Time one full training step of a Llama-shaped model, BF16 against hf-fp8, in one process on one GPU.
+"""Time one full training step of a Llama-shaped model, BF16 against hf-fp8 and its peers, on one GPU.
 
-    python benchmarks/step_bench.py --shape 1b --modes bf16,bf16-compile,native,native-compile
+    python benchmarks/step_bench.py --shape 1b --modes bf16,bf16-compile,hf-fp8
 
 Same model (built from a config, random weights, sdpa attention), same batch (4 x 2048 tokens by
-default), AdamW fused; each mode builds its own model, runs warm-up steps, then times steps with CUDA
-events and reports the median. Ratios between modes of one run are what to compare: absolute numbers
-drift between hosts. Prints a Markdown table and writes JSON lines to --out when given.
+default), AdamW fused; each mode builds its own model, runs warm-up steps (compilation included),
+then times steps with CUDA events and reports the median. ``benchmarks/compare.py`` runs every mode
+in a process of its own and prints one table; this script runs the modes it is given in one process.
+Prints a Markdown table and writes JSON lines to --out when given.
+
+Modes:
+  bf16, bf16-compile         BF16 eager; BF16 with torch.compile(model)
+  bf16-regional              BF16 with hf_fp8.compile (block by block)
+  hf-fp8, hf-fp8-lmhead      hf-fp8's fast path: patch_model (native) + hf_fp8.compile; with the output
+                             head in FP8 too
+  hf-fp8-current             the same with current scaling
+  native, native-compile     patch_model (native), eager; with torch.compile(model)
+  torchao, torchao-rowwise   torchao float8 training (tensorwise / rowwise) + torch.compile(model)
+  accelerate-te              accelerate's convert_model + te.autocast (TE's DelayedScaling)
+  te, te-fused, te-fused-lmhead   hf-fp8's TE backend: unfused, fused Llama blocks, fused + head
 """
 
 from __future__ import annotations
@@ -16,16 +28,21 @@ import functools
 import sys
 
 import torch
-from harness import begin_run, build, measure, parse_arguments, print_table, ratio, run_all
+from harness import begin_run, build, measure, parse_arguments, print_table, ratio, run_all, training_flops
 
 import hf_fp8
 
 MODES = (
     "bf16",
     "bf16-compile",
+    "bf16-regional",
+    "hf-fp8",
+    "hf-fp8-lmhead",
+    "hf-fp8-current",
     "native",
     "native-compile",
-    "native-current-compile",
+    "torchao",
+    "torchao-rowwise",
     "accelerate-te",
     "te",
     "te-fused",
@@ -36,10 +53,29 @@ MODES = (
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     """Build, warm up and time one mode; its model and optimizer are freed when this returns."""
     model = build(args.shape)
+    flops = training_flops(model, args.batch, args.seq)
     forward_context = contextlib.nullcontext
-    if mode.startswith("native"):
-        recipe = hf_fp8.Fp8Recipe(scaling="current" if "current" in mode else "delayed")
+    step_model = model
+    if mode == "bf16-compile":
+        step_model = torch.compile(model)
+    elif mode == "bf16-regional":
+        hf_fp8.compile(model)
+    elif mode.startswith("hf-fp8"):
+        recipe = hf_fp8.Fp8Recipe(
+            scaling="current" if mode.endswith("current") else "delayed",
+            convert_lm_head=mode.endswith("lmhead"),
+        )
         hf_fp8.patch_model(model, recipe, backend="native")
+        hf_fp8.compile(model)
+    elif mode.startswith("native"):
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(), backend="native")
+        step_model = torch.compile(model) if mode.endswith("compile") else model
+    elif mode.startswith("torchao"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = "rowwise" if mode.endswith("rowwise") else "tensorwise"
+        convert_to_float8_training(model.model, config=Float8LinearConfig.from_recipe_name(recipe))
+        step_model = torch.compile(model)
     elif mode.startswith("te"):
         recipe = hf_fp8.Fp8Recipe(convert_lm_head=mode.endswith("lmhead"))
         hf_fp8.patch_model(model, recipe, backend="te", fuse=mode.startswith("te-fused"))
@@ -55,9 +91,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         with torch.no_grad():
             convert_model(model)
         forward_context = functools.partial(te.autocast, enabled=True, recipe=DelayedScaling())
-    step_model = torch.compile(model) if mode.endswith("compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    return {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args)}
+    return {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args, flops)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +105,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tokens_per_s']:,.0f}",
             ratio(r, base, "tokens_per_s"),
             f"{r['ms_per_step']:.1f}",
+            f"{r['tflops']:.0f}",
             f"{r['peak_gib']:.1f}",
+            f"{r['warmup_s']:.0f}",
             f"{r['loss']:.4f}",
         ]
 
-    print_table(results, "bf16", ["tokens/s", "vs bf16", "ms/step", "peak GiB", "loss"], cells)
+    titles = ["tokens/s", "vs bf16", "ms/step", "TFLOP/s", "peak GiB", "warm-up s", "loss"]
+    print_table(results, "bf16", titles, cells)
     return 0
 
 

@@ -4,6 +4,7 @@ from hf_fp8 import peft as peft  # hf_fp8.peft.merge_and_unload
 from hf_fp8.autocast import fp8_autocast
 from hf_fp8.backends.native import update_fp8_scales
 from hf_fp8.checkpoint import load_fp8_state, save_fp8_state
+from hf_fp8.compile import compile_model as compile
 from hf_fp8.formats import E4M3, E5M2, cast_to_representable
 from hf_fp8.guard import Fp8NanGuard
 from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
@@ -32,6 +33,7 @@ __all__ = [
     "Fp8TrainerCallback",
     "PatchReport",
     "cast_to_representable",
+    "compile",
     "fp8_autocast",
     "is_patched",
     "load_fp8_state",

@@ -78,6 +78,8 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
                 "was amax_history_len changed?"
             )
         target.copy_(source)
+    if patch is not None:
+        patch.backend.state_restored(model)
 
 
 def save_fp8_state(model: nn.Module, folder: str | os.PathLike, recipe: Fp8Recipe) -> Path:

@@ -5,8 +5,14 @@
 * wgrad    ``dW = dy.T @ x``  skipped when the weight is frozen.
 
 Accumulation is float32 inside the GEMM; outputs come back in the requested dtype; the bias is added
-in that precision. Only the FP8 copies of x and W are saved for backward, so activations saved by an
-FP8 layer take half the memory of BF16 ones.
+in that precision. Only FP8 copies of x and W are saved for backward, so activations saved by an FP8
+layer take half the memory of BF16 ones.
+
+Written for ``torch.compile``: each operand is cast once, straight into every layout a GEMM needs
+(``x`` row-major for the forward and transposed for the weight gradient, ``dy`` likewise, ``W``
+transposed for the input gradient), so Inductor makes one kernel of a cast, its transpose and the
+amax, and fuses it into whatever produced the tensor (a norm, an activation). With delayed scaling the
+cast uses the stored scale and never waits for its own tensor's amax.
 """
 
 from __future__ import annotations
@@ -16,18 +22,21 @@ from typing import NamedTuple
 
 import torch
 
-from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, gpu_has_fp8
-from hf_fp8.scaling import GRAD_OUTPUT, INPUT, ROLES, WEIGHT, pick_scale
+from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
+from hf_fp8.scaling import GRAD_OUTPUT, INPUT, ROLES, WEIGHT
 
 __all__ = ["GemmConfig", "fp8_linear", "fp8_mm"]
 
 
 class GemmConfig(NamedTuple):
-    """What an FP8 linear call needs to know besides its tensors."""
+    """What an FP8 linear call needs to know besides its tensors. ``stored_scales``, per role (input,
+    weight, grad_output): cast with the layer's stored scale (delayed scaling once the role has a
+    history); otherwise the tensor is scaled by its own amax (current scaling, and delayed scaling
+    before the role's first amax)."""
 
     forward_format: Fp8Format
     backward_format: Fp8Format
-    current_scaling: bool
+    stored_scales: tuple[bool, bool, bool]
     margin: int
     out_dtype: torch.dtype
 
@@ -69,9 +78,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         config: GemmConfig,
         observer,
     ) -> torch.Tensor:
-        # FP8 GEMMs want row-major operands; casts keep their input's layout, so start contiguous.
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        x2d = x.reshape(-1, x.shape[-1])
         fmt = config.forward_format
+        needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_scale, x_fp8 = _cast(x2d, INPUT, amax_history, scale, fmt, config, record, observer)
         if weight_scale is None:
             w_scale, w_fp8 = _cast(weight, WEIGHT, amax_history, scale, fmt, config, record, observer)
@@ -79,16 +88,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
             w_scale, w_fp8 = weight_scale, weight
             if record:
                 scale[WEIGHT] = weight_scale
-        # W (out, in) as the column-major right operand: free when W is row-major (nn.Linear), one copy
-        # when it is stored transposed (Conv1D). dgrad below wants the opposite layout.
-        out = fp8_mm(x_fp8, w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
+        # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
+        # W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
+        out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
 
-        needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(
-            x_fp8 if needs_w_grad else None, w_fp8 if needs_x_grad else None, x_scale, w_scale
-        )
+        # Saved in the layouts the backward GEMMs read: x.T for dW = dy.T @ x (tokens padded to 16),
+        # W.T for dx = dy @ W.
+        x_t = _pad_rows(x_fp8, FP8_ALIGNMENT).t().contiguous() if needs_w_grad else None
+        w_t = w_fp8.t().contiguous() if needs_x_grad else None
+        ctx.save_for_backward(x_t, w_t, x_scale, w_scale)
         # The state buffers are updated in place by every call of the module (a module may run twice in
         # one forward), so they ride on ctx rather than through save_for_backward's version checks.
         ctx.amax_history = amax_history
@@ -104,25 +114,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_fp8, w_fp8, x_scale, w_scale = ctx.saved_tensors
+        x_t, w_t, x_scale, w_scale = ctx.saved_tensors
         config: GemmConfig = ctx.config
         fmt = config.backward_format
-        dy = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
         dy_scale, dy_fp8 = _cast(
             dy, GRAD_OUTPUT, ctx.amax_history, ctx.scale, fmt, config, ctx.record, ctx.observer
         )
 
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # dx = dy @ W: W (out, in) must be the column-major right operand.
-            w_col_major = w_fp8.t().contiguous().t()
-            grad_x = fp8_mm(dy_fp8, w_col_major, dy_scale, w_scale, ctx.input_dtype)
+            # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
+            grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_scale, w_scale, ctx.input_dtype)
             grad_x = grad_x.reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            # dW = dy.T @ x contracts over tokens, which must be a multiple of 16: pad with zero rows.
+            # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
             dy_t = _pad_rows(dy_fp8, FP8_ALIGNMENT).t().contiguous()
-            x_col_major = _pad_rows(x_fp8, FP8_ALIGNMENT).t().contiguous().t()
-            grad_w = fp8_mm(dy_t, x_col_major, dy_scale, x_scale, ctx.weight_dtype)
+            grad_w = fp8_mm(dy_t, x_t.t(), dy_scale, x_scale, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None
@@ -138,8 +146,18 @@ def _cast(
     record: bool,
     observer,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t``'s scale for this step and ``t`` cast to ``fmt`` with it; the observer sees the cast."""
-    chosen = pick_scale(t, role, amax_history, scale, fmt, config.margin, config.current_scaling, record)
+    """``t``'s scale for this step and ``t`` cast to ``fmt`` with it; records ``t``'s amax when
+    ``record``. The observer sees the cast."""
+    stored = config.stored_scales[role]
+    amax = t.detach().abs().amax().float() if record or not stored else None
+    if stored:
+        chosen = scale[role].float()
+    else:
+        chosen = compute_scale(amax, fmt, config.margin)
+        if record:  # what a checkpoint or a log reads is what was applied
+            scale[role] = chosen
+    if record:
+        amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
     t_fp8 = cast_to_fp8(t, chosen, fmt)
     if record and observer is not None:
         observer(ROLES[role], t.detach(), chosen, t_fp8)

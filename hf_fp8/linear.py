@@ -30,7 +30,7 @@ from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaling import ROLES
 from hf_fp8.stored_weight import Fp8StoredWeight
 
-__all__ = ["STATE_BUFFERS", "Fp8Conv1D", "Fp8Linear", "Fp8Module"]
+__all__ = ["STATE_BUFFERS", "Fp8Conv1D", "Fp8Linear", "Fp8Module", "refresh_stored_scales"]
 
 # The buffers of a layer's scaling state, as they are named in the module and in checkpoints.
 STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
@@ -52,6 +52,11 @@ class Fp8Module(nn.Module):
         self.register_buffer("amax_history", history, persistent=False)
         self.register_buffer("scale", torch.zeros(len(ROLES), device=device), persistent=False)
         self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # Per role, whether its stored scale comes from a history (see hf_fp8.scaling): a Python flag,
+        # so that compiled code has no branch on tensor values. Read back from the scales at the end
+        # of the layer's first step and whenever the state is loaded: see refresh_stored_scales.
+        self.stored_scales: tuple[bool, ...] = (False,) * len(ROLES)
+        self.scale_checks_left = _SCALE_CHECKS
 
     def _adopt(self, source: nn.Module) -> None:
         """Take over ``source``'s weight and bias (the same Parameter objects) and its mode."""
@@ -142,7 +147,7 @@ class Fp8Module(nn.Module):
         config = GemmConfig(
             forward_format=self.recipe.forward_format,
             backward_format=self.recipe.backward_format,
-            current_scaling=self.recipe.scaling == "current",
+            stored_scales=self.stored_scales if self.recipe.scaling == "delayed" else (False,) * len(ROLES),
             margin=self.recipe.margin,
             out_dtype=out_dtype,
         )
@@ -241,6 +246,24 @@ class Fp8Conv1D(Fp8Module, Conv1D):
 
     def __repr__(self) -> str:
         return f"Fp8Conv1D(nf={self.nf}, nx={self.nx}, {self._fp8_repr()})"
+
+
+# Steps at whose end a layer reads back which of its roles have a stored scale (after that, a role
+# first seen later keeps scaling by its own amax: correct, if slower).
+_SCALE_CHECKS = 1
+
+
+@torch.no_grad()
+def refresh_stored_scales(layers: list[Fp8Module], all_layers: bool = False) -> None:
+    """Read back, in one transfer, which roles of ``layers`` have a stored scale (a scale > 0) for
+    those still in their first steps, or for all of them with ``all_layers`` (a loaded state)."""
+    due = [m for m in layers if all_layers or m.scale_checks_left > 0]
+    if not due:
+        return
+    ready = torch.cat([m.scale.detach().cpu() for m in due]).gt(0).view(len(due), -1).tolist()
+    for module, flags in zip(due, ready, strict=True):
+        module.stored_scales = tuple(flags)
+        module.scale_checks_left = max(module.scale_checks_left - 1, 0)
 
 
 def _hand_back(layer: Fp8Module, plain: nn.Module) -> nn.Module:

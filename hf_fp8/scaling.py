@@ -3,48 +3,28 @@ amaxes become the next step's scales.
 
 Each native FP8 layer keeps, per tensor role (input, weight, grad_output), an amax history (newest
 entry first) and a scale. During a step every cast records its tensor's amax in slot 0 of the role's
-history; at the end of the step :func:`advance_steps` turns the histories into new scales (every
-``interval`` steps) and rolls them so slot 0 is free again. A scale of 0 means "no history yet".
+history (:mod:`hf_fp8.gemm`); at the end of the step :func:`advance_steps` turns the histories into
+new scales (every ``interval`` steps) and rolls them so slot 0 is free again.
+
+Delayed scaling casts with the stored scale, so a cast never waits for its own tensor's amax. Before
+the first step has ended there is no history: that step scales each tensor by its own amax, as
+current scaling always does. Which of the two a layer does is a Python flag
+(``Fp8Module.scaling_ready``), not a branch on tensor values, so a compiled step has no
+data-dependent branch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_fp8.formats import Fp8Format, compute_scale
+from hf_fp8.formats import compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps", "pick_scale"]
+__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps"]
 
 # Rows of a layer's ``amax_history`` and entries of its ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ROLES = ("input", "weight", "grad_output")
-
-
-def pick_scale(
-    t: torch.Tensor,
-    role: int,
-    amax_history: torch.Tensor,
-    scale: torch.Tensor,
-    fmt: Fp8Format,
-    margin: int,
-    current_scaling: bool,
-    record: bool,
-) -> torch.Tensor:
-    """The scale for ``t`` in this step, recording ``t``'s amax in the history when ``record``.
-
-    Delayed scaling uses the stored scale; current scaling, and delayed scaling before its first
-    update (stored scale 0), use ``t``'s own amax. The scale used is written back to ``scale`` so that
-    what a checkpoint or a log reads is what was applied.
-    """
-    amax = t.detach().abs().amax().float()
-    if record:
-        amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
-    just_in_time = compute_scale(amax, fmt, margin)
-    chosen = just_in_time if current_scaling else torch.where(scale[role] > 0, scale[role], just_in_time)
-    if record:
-        scale[role] = chosen
-    return chosen
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ def end_step(state: PatchState) -> None:
     """End the pending FP8 step, if any."""
     if state.step_pending:
         state.backend.end_step(state.amax_group or default_amax_group())
+        state.after_step = [waiting for waiting in state.after_step if not waiting()]
     state.step_pending = False
 
 
@@ -73,7 +74,9 @@ def discard_step(model: nn.Module, snapshot: list[tuple[torch.Tensor, torch.Tens
     nothing pending."""
     for live, saved in snapshot:
         live.copy_(saved)
-    _state_of(model).step_pending = False
+    state = _state_of(model)
+    state.step_pending = False
+    state.backend.state_restored(model)
 
 
 def set_recipe(model: nn.Module, recipe: Fp8Recipe) -> None:

@@ -95,6 +95,8 @@ class Fp8Backend(ABC):
     name: ClassVar[str]
     # Why norms stay in high precision with this backend; None when it converts them (convert_norm).
     keeps_norms: ClassVar[str | None] = "norm: not a GEMM; this backend keeps norms in high precision"
+    # Whether its FP8 modules run under torch.compile (hf_fp8.compile refuses backends that do not).
+    compiles: ClassVar[bool] = True
     # Why activation checkpointing does not work with this backend (None: it does).
     recompute_problem: ClassVar[str | None] = None
     # Whether a patch of this backend can move to a module inside the patched model (PEFT's
@@ -175,9 +177,19 @@ class Fp8Backend(ABC):
         """End an FP8 training step: reduce the step's amaxes over ``group`` (``None``: no reduction)
         and update the scales."""
 
+    def calibrated(self) -> bool:
+        """Whether the layers' scaling has reached its steady state (delayed scaling has a history), so
+        that code compiled now is not invalidated by the next step."""
+        return True
+
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         """Switch to ``recipe`` (same format and history length: a new margin, say)."""
         self.recipe = recipe
+
+    def state_restored(self, model: nn.Module) -> None:
+        """The scaling tensors were overwritten (a checkpoint loaded, a step rolled back): re-derive
+        whatever the backend keeps beside them."""
+        return None
 
     def prepare_to_load(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Make sure every layer that has saved scaling state in ``state`` has its state tensors, so

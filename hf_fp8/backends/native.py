@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.backends.base import Fp8Backend, LayerScaling, Replaced
 from hf_fp8.distributed import default_amax_group, sync_amaxes
-from hf_fp8.linear import STATE_BUFFERS, Fp8Conv1D, Fp8Linear, Fp8Module
+from hf_fp8.linear import STATE_BUFFERS, Fp8Conv1D, Fp8Linear, Fp8Module, refresh_stored_scales
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
@@ -105,10 +105,16 @@ class NativeBackend(Fp8Backend):
     def end_step(self, group: Any) -> None:
         end_native_step(self.layers, group)
 
+    def calibrated(self) -> bool:
+        return all(m.scale_checks_left == 0 or m.recipe.scaling != "delayed" for m in self.layers)
+
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         super().set_recipe(recipe)
         for module in self.layers:
             module.recipe = recipe
+
+    def state_restored(self, model: nn.Module) -> None:
+        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Module)], all_layers=True)
 
 
 @torch.no_grad()
@@ -147,6 +153,7 @@ def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) ->
             [m.scale for m in batch],
             [m.fp8_steps for m in batch],
         )
+    refresh_stored_scales(layers)
 
 
 def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:

@@ -131,6 +131,7 @@ class TeBackend(Fp8Backend):
 
     name = "te"
     keeps_norms = None
+    compiles = False
     recompute_problem = "would recompute layers outside te.autocast, in another precision"
 
     def __init__(self, recipe: Fp8Recipe) -> None:

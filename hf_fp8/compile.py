@@ -1,0 +1,82 @@
+"""``hf_fp8.compile``: the fast way to train a (patched) HF model: ``torch.compile`` block by block.
+
+A decoder has one block class repeated N times. Compiling each block (regional compilation) traces
+and optimises that graph once and reuses it for every block, instead of tracing the whole model as one
+graph; the loss function is compiled on its own. What Inductor then fuses per block is what makes the
+native FP8 path fast: each cast, its transpose and its amax become one kernel, fused into the norm or
+activation that produced the tensor.
+
+With delayed scaling the first training step has no amax history yet and scales each tensor by its own
+amax; the blocks are compiled after that step, for the steady state only, so nothing compiles twice.
+Training forwards are run without a KV cache (nothing reads it in training, and filling it makes
+each block's graph depend on its layer index).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_fp8.patch_state import get_state
+
+__all__ = ["compile_model", "repeated_blocks"]
+
+
+def compile_model(model: nn.Module, **options: Any) -> nn.Module:
+    """Compile ``model``'s repeated blocks and its loss function in place, and return ``model``.
+
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ...). Call it after
+    ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
+    """
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks to compile one at a time (no module list of "
+            "one block class, nor HF's _no_split_modules); use torch.compile(model) instead"
+        )
+    state = get_state(model)
+    if state is not None and not state.backend.compiles:
+        raise ValueError(
+            f"the {state.backend.name} backend does not run under torch.compile; patch with "
+            "backend='native' for the compiled fast path"
+        )
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    loss_function = getattr(model, "loss_function", None)
+    if callable(loss_function):
+        model.loss_function = torch.compile(loss_function, **options)
+
+    def compile_blocks() -> bool:
+        if state is not None and not state.backend.calibrated():
+            return False
+        for block in blocks:
+            block.compile(**options)
+        return True
+
+    if not compile_blocks():
+        state.after_step.append(compile_blocks)
+    return model
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules of a class HF names in ``_no_split_modules`` (its decoder
+    layers), else the members of the longest ``nn.ModuleList`` whose members share one class."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [
+        list(m)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+    ]
+    return max(lists, key=len, default=[])
+
+
+def _no_cache_in_training(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if not model.training or "use_cache" in kwargs or kwargs.get("past_key_values") is not None:
+        return None
+    return args, {**kwargs, "use_cache": False}
