@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: set up, then train a small Llama in BF16 and in FP8 on Shakespeare and compare losses.
+# The main job: set up, then fine-tune SmolLM2-135M on Shakespeare in BF16 and in FP8 and compare the runs
+# (writes hf-fp8-demo/report.md and hf-fp8-demo/loss_curves.png; options: --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, is_patched, patch_model, unpatch_model
-from hf_fp8.demo import load_text
+from hf_fp8.assets import load_text
 from hf_fp8.linear import Fp8Conv1D, Fp8Module
 from hf_fp8.patch_state import get_state
 from hf_fp8.peft import from_pretrained_fp8, merge_and_unload

@@ -20,9 +20,9 @@ from hf_fp8 import (
     patch_model,
     save_fp8_state,
 )
+from hf_fp8.assets import load_text
 from hf_fp8.backends.te import recomputes_activations
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_dict
-from hf_fp8.demo import load_text
 from hf_fp8.linear import Fp8Linear
 from hf_fp8.patch_state import get_state
 
