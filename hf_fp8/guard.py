@@ -28,7 +28,9 @@ from torch import nn
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.distributed import default_amax_group
+from hf_fp8.inputs import check_model
 from hf_fp8.patch_state import get_state, patched_module
+from hf_fp8.recipe import MAX_MARGIN
 from hf_fp8.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
 
 __all__ = ["Fp8NanGuard"]
@@ -45,7 +47,7 @@ class Fp8NanGuard:
     """
 
     def __init__(self, model: nn.Module, max_consecutive_skips: int = 10) -> None:
-        patched = patched_module(model)
+        patched = patched_module(check_model(model, "Fp8NanGuard"))
         if patched is None:
             raise ValueError("Fp8NanGuard needs a patched model: call hf_fp8.patch_model(model) first")
         self.model = model
@@ -101,9 +103,11 @@ class Fp8NanGuard:
         discard_step(self._patched, self._snapshot)
         self.skipped_steps += 1
         action = "skipped the step and rolled the amax histories back"
-        if policy == "increase_margin":
+        if policy == "increase_margin" and self.recipe.margin < MAX_MARGIN:
             set_recipe(self._patched, self.recipe.replace(margin=self.recipe.margin + 1))
             action += f", margin now {self.recipe.margin}"
+        elif policy == "increase_margin":
+            action += f", margin already at its maximum {MAX_MARGIN}"
         warnings.warn(f"hf_fp8: {where}; {action}", stacklevel=2)
         self._take_snapshot()
         return False

@@ -23,11 +23,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.autocast import fp8_active
-from hf_fp8.backends.base import CastObserver, LayerScaling, RoleScaling
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.gemm import GemmConfig, fp8_linear
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaling import ROLES
+from hf_fp8.scaling_state import CastObserver, LayerScaling, RoleScaling
 from hf_fp8.stored_weight import Fp8StoredWeight
 
 __all__ = ["STATE_BUFFERS", "Fp8Conv1D", "Fp8Linear", "Fp8Module", "refresh_stored_scales"]
@@ -64,6 +64,19 @@ class Fp8Module(nn.Module):
         self.bias = source.bias
         self.train(source.training)
         self._reset_fp8_state()
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
+        (``.half()``, ``.to(torch.bfloat16)``) do not: amaxes and scales stay float32, where gradient
+        scales of 1e7 and more fit (float16 would turn them into inf)."""
+        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, tensor in state.items():
+                moved = fn(tensor)
+                self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+        return self
 
     def scaling_state(self, name: str) -> LayerScaling:
         """This layer's scaling state (live tensors) by role, and by checkpoint key."""
@@ -207,7 +220,7 @@ class Fp8Linear(Fp8Module, nn.Linear):
         return _hand_back(self, plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled:
+        if not self.fp8_enabled or _nothing_to_quantize(x):
             return F.linear(x, self.dequantized_weight(), self.bias)
         return self._fp8_forward(x, False, self.bias)
 
@@ -239,7 +252,7 @@ class Fp8Conv1D(Fp8Module, Conv1D):
         return _hand_back(self, plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled:
+        if not self.fp8_enabled or _nothing_to_quantize(x):
             out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.dequantized_weight())
             return out.reshape(*x.shape[:-1], self.nf)
         return self._fp8_forward(x, True, self.bias)
@@ -264,6 +277,12 @@ def refresh_stored_scales(layers: list[Fp8Module], all_layers: bool = False) -> 
     for module, flags in zip(due, ready, strict=True):
         module.stored_scales = tuple(flags)
         module.scale_checks_left = max(module.scale_checks_left - 1, 0)
+
+
+def _nothing_to_quantize(x: torch.Tensor) -> bool:
+    """No rows (an empty batch) or no data (the meta device, shapes only): the plain layer's result,
+    with nothing recorded."""
+    return x.numel() == 0 or x.is_meta
 
 
 def _hand_back(layer: Fp8Module, plain: nn.Module) -> nn.Module:

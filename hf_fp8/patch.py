@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -25,11 +26,12 @@ from hf_fp8 import forward_hooks
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.backends.native import NativeBackend
 from hf_fp8.backends.registry import backend_class, is_fp8_module, plain_module
+from hf_fp8.inputs import check_amax_group, check_model
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patch_state import PatchState, get_state, set_state
-from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, ModuleRecord, PatchReport
-from hf_fp8.selection import ModelContext, module_record
+from hf_fp8.selection import ModelContext, matches, module_record
 
 __all__ = ["is_patched", "move_patch", "patch_model", "plan_patch", "unpatch_model"]
 
@@ -43,7 +45,7 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch_model(
     model: nn.Module,
-    recipe: Fp8Recipe | None = None,
+    recipe: Fp8Recipe | str | None = None,
     backend: str = "auto",
     fuse: bool = True,
     amax_group: Any = None,
@@ -53,26 +55,35 @@ def patch_model(
     Args:
         model: any HF Transformers model (or plain ``nn.Module``), typically fresh from
             ``from_pretrained``, before its optimizer is created.
-        recipe: how FP8 is used. ``None``: the recipe in ``HF_FP8_RECIPE`` (set by ``hf-fp8 launch``)
-            when that variable is set, else :class:`Fp8Recipe` defaults.
+        recipe: how FP8 is used: an :class:`Fp8Recipe`, a recipe name, a YAML path or a dict of recipe
+            keys. ``None``: the recipe in ``HF_FP8_RECIPE`` (set by ``hf-fp8 launch``) when that
+            variable is set, else :class:`Fp8Recipe` defaults.
         backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine, FP8 GPUs) or
             ``"auto"`` (TE for a model on a GPU that supports FP8 when TE imports, else native).
         fuse: fuse whole blocks where the backend knows how (TE: Llama-family decoder blocks).
         amax_group: the data-parallel process group over which amaxes are reduced (one all-reduce a
             step); ``None`` uses the world group whenever ``torch.distributed`` is initialised.
 
-    On any error the model is restored to what it was and the error names the module.
+    On any error the model is restored to what it was and the error names the module. A model that is
+    already patched keeps its patch (a different recipe or backend asked for is warned about).
     """
-    recipe = recipe or Fp8Recipe.from_launcher()
+    check_model(model, "patch_model")
+    check_amax_group(amax_group)
+    asked = recipe
+    recipe = as_recipe(recipe)
     state = get_state(model)
     if state is not None:
+        _warn_if_repatched_differently(state, asked, recipe, backend)
         return _walk(model, state.backend, convert=False)[0]
+    unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
         report = _walk(model, NativeBackend(recipe), convert=False)[0]
         report.backend = "none"
         return report
     chosen = backend_class(backend, _device_of(model), recipe)(recipe)  # refuses before the model changes
     report, replaced, handles = _walk(model, chosen, convert=True, fuse=fuse)
+    if unmatched:
+        report.notes.append(unmatched)
     state = PatchState(recipe=recipe, backend=chosen, report=report, amax_group=amax_group, handles=handles)
     try:
         state.handles += chosen.attach(model, replaced, report)
@@ -84,10 +95,11 @@ def patch_model(
     return report
 
 
-def plan_patch(model: nn.Module, recipe: Fp8Recipe | None = None) -> PatchReport:
+def plan_patch(model: nn.Module, recipe: Fp8Recipe | str | None = None) -> PatchReport:
     """What :func:`patch_model` with the native backend would convert and skip, without touching the
     model (which may live on the meta device, as ``hf-fp8 inspect`` builds it)."""
-    return _walk(model, NativeBackend(recipe or Fp8Recipe.from_launcher()), convert=False)[0]
+    check_model(model, "plan_patch")
+    return _walk(model, NativeBackend(as_recipe(recipe)), convert=False)[0]
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -95,6 +107,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     they were stored in FP8), no hooks. Native layers give back their very parameters. FP8 layers
     made without ``patch_model`` are turned back too, where their backend can do that from the layer
     alone."""
+    check_model(model, "unpatch_model")
     state = get_state(model)
     if state is None:
         replace_modules(model, plain_module)
@@ -206,6 +219,35 @@ def _undo(model: nn.Module, replaced: list[Replaced], handles: list[RemovableHan
         set_path(model, entry.path, entry.original)
     for handle in handles:
         handle.remove()
+
+
+def _warn_if_repatched_differently(state: PatchState, asked: Any, recipe: Fp8Recipe, backend: str) -> None:
+    differences = []
+    if asked is not None and recipe != state.recipe:
+        differences.append("another recipe")
+    if backend not in ("auto", state.backend.name):
+        differences.append(f"backend {backend!r} (it has {state.backend.name!r})")
+    if differences:
+        warnings.warn(
+            f"hf_fp8: the model is already patched; {' and '.join(differences)} asked for now are not "
+            "applied and the model keeps its patch. Call hf_fp8.unpatch_model(model) first to patch it anew",
+            stacklevel=3,
+        )
+
+
+def _unmatched_patterns(model: nn.Module, recipe: Fp8Recipe) -> str | None:
+    """A note, also warned, about ``modules_to_not_convert`` patterns that match no module (typos)."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [p for p in recipe.modules_to_not_convert if not any(matches(n, p) for n in names)]
+    if not unmatched:
+        return None
+    example = names[len(names) // 2] if names else "(the model has no submodules)"
+    note = (
+        f"modules_to_not_convert pattern(s) {unmatched} match no module of {type(model).__name__}; check the "
+        f"spelling (module names look like {example!r}; a pattern also matches a suffix of a name)"
+    )
+    warnings.warn(f"hf_fp8: {note}", stacklevel=3)
+    return note
 
 
 def _device_of(model: nn.Module) -> torch.device:

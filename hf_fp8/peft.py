@@ -14,6 +14,7 @@ asked. :func:`from_pretrained_fp8` loads a checkpoint straight into FP8 base wei
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from hf_fp8.linear import Fp8Module
 from hf_fp8.patch import move_patch, patch_model
 from hf_fp8.patch_state import get_state
-from hf_fp8.recipe import RECIPES, Fp8Recipe
+from hf_fp8.recipe import RECIPES, Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
 from hf_fp8.step import set_recipe
 
@@ -37,6 +38,11 @@ def merge_and_unload(peft_model: nn.Module, fp8: bool = False, **kwargs) -> nn.M
     merged weights in the original dtype, or stored in FP8 again (frozen) with ``fp8=True``.
     ``kwargs`` go to PEFT (``safe_merge``, ``adapter_names``, ...).
     """
+    if not (hasattr(peft_model, "get_base_model") and hasattr(peft_model, "merge_and_unload")):
+        raise TypeError(
+            "merge_and_unload needs a PEFT model (from peft.get_peft_model or PeftModel.from_pretrained), "
+            f"got {type(peft_model).__name__}"
+        )
     base = peft_model.get_base_model()
     stored_in_fp8 = [m for m in base.modules() if isinstance(m, Fp8Module) and m.weight_in_fp8]
     for module in stored_in_fp8:
@@ -80,7 +86,12 @@ def from_pretrained_fp8(
     """
     from transformers import AutoModelForCausalLM
 
-    recipe = (recipe or RECIPES["lora-fp8"]).replace(fp8_weights=True)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            "from_pretrained_fp8 loads a local checkpoint folder (nothing is downloaded); "
+            f"{str(path)!r} is not one"
+        )
+    recipe = (as_recipe(recipe) if recipe is not None else RECIPES["lora-fp8"]).replace(fp8_weights=True)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_class = model_class or AutoModelForCausalLM
     kwargs.setdefault("dtype", torch.bfloat16)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.inputs import check_model
 from hf_fp8.patch import patch_model
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
@@ -18,7 +19,7 @@ def prepare_fp8(
     accelerator: Any,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    recipe: Fp8Recipe | None = None,
+    recipe: Fp8Recipe | str | None = None,
     backend: str = "auto",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, PatchReport]:
     """Patch ``model`` to FP8, then ``accelerator.prepare`` it (and ``optimizer``).
@@ -31,6 +32,11 @@ def prepare_fp8(
     longer uses. ``recipe=None`` reads ``HF_FP8_RECIPE`` (set by
     ``hf-fp8 launch``) or uses the defaults. Returns the prepared model, optimizer and the report.
     """
+    check_model(model, "prepare_fp8")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"prepare_fp8: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     if getattr(accelerator, "mixed_precision", None) == "fp8":
         raise ValueError(
             "prepare_fp8: the Accelerator has mixed_precision='fp8' and would convert the model a second "

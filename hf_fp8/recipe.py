@@ -19,7 +19,7 @@ import yaml
 
 from hf_fp8.formats import E4M3, E5M2, FP8_ALIGNMENT, Fp8Format
 
-__all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe"]
+__all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe", "as_recipe"]
 
 # Where `hf-fp8 launch` puts the recipe (as YAML text) for the processes it starts.
 LAUNCHER_ENV = "HF_FP8_RECIPE"
@@ -28,6 +28,18 @@ _FORMATS = ("hybrid", "e4m3", "e5m2")
 _SCALINGS = ("delayed", "current", "block")
 _AMAX_ALGOS = ("max", "most_recent")
 _NAN_POLICIES = ("raise", "skip_step", "increase_margin")
+# Upper bounds of the integer fields, each with the reason a larger value cannot help.
+MAX_MARGIN = 8
+_MARGIN_WHY = (
+    "each step of margin gives up one binade of range; at 8 the largest value already sits 256x below "
+    "E4M3's maximum, with half of its normal range gone"
+)
+MAX_AMAX_HISTORY_LEN = 65536
+_HISTORY_WHY = "a longer history costs 12 bytes per entry and FP8 layer and adapts no better"
+MAX_INTERVAL = 100_000
+_INTERVAL_WHY = "scales that are never recomputed stop following the tensors; use a smaller interval"
+MAX_PAD = 1024
+_PAD_WHY = "FP8 GEMMs need 16; padding further only adds masked tokens"
 # The fields that decide how scales are computed from amaxes: FP8 state saved under one value of these
 # does not continue under another (the margin is restored from the state instead).
 SCALING_FIELDS = ("format", "scaling", "amax_history_len", "amax_compute_algo", "interval")
@@ -112,6 +124,7 @@ class Fp8Recipe:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"an FP8 recipe must be a mapping of keys to values, got {type(data).__name__}")
+        _check_format_flags(data)
         changes: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for key, value in data.items():
@@ -143,9 +156,13 @@ class Fp8Recipe:
         """Load a recipe from a YAML file; ``section`` picks a nested mapping of a larger config."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as err:
             raise ValueError(f"cannot read FP8 recipe file {str(path)!r}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"FP8 recipe file {str(path)!r} is not text (not UTF-8): give a YAML file"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
@@ -177,11 +194,15 @@ class Fp8Recipe:
         for var, (name, parse) in _ENV_VARS.items():
             if var in environ:
                 try:
-                    changes[name] = parse(environ[var])
+                    parsed = parse(environ[var])
                 except ValueError:
                     raise ValueError(
                         f"environment variable {var}={environ[var]!r} is not a valid {name}"
                     ) from None
+                try:
+                    changes[name] = _validate_field(name, parsed)
+                except ValueError as err:
+                    raise ValueError(f"environment variable {var}={environ[var]!r}: {err}") from None
         for var in (
             "ACCELERATE_FP8_OVERRIDE_FPROP",
             "ACCELERATE_FP8_OVERRIDE_DGRAD",
@@ -239,11 +260,13 @@ def _expect_bool(name: str, value: Any) -> bool:
     return value
 
 
-def _expect_int(name: str, value: Any, minimum: int) -> int:
+def _expect_int(name: str, value: Any, minimum: int, maximum: int | None = None, why: str = "") -> int:
+    allowed = f"an integer from {minimum} to {maximum}" if maximum is not None else f"an integer >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"recipe key {name!r} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"recipe key {name!r} must be an integer >= {minimum}, got {value}")
+        raise ValueError(f"recipe key {name!r} must be {allowed}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        reason = f"; {why}" if why and maximum is not None and value > maximum else ""
+        raise ValueError(f"recipe key {name!r} must be {allowed}, got {value}{reason}")
     return value
 
 
@@ -254,7 +277,7 @@ def _expect_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def _validate_pad(name: str, value: Any) -> int:
-    value = _expect_int(name, value, 1)
+    value = _expect_int(name, value, 1, MAX_PAD, _PAD_WHY)
     if value % FP8_ALIGNMENT:
         raise ValueError(
             f"recipe key {name!r} must be a multiple of 16 (FP8 GEMMs need dimensions divisible by 16), "
@@ -275,10 +298,10 @@ _VALIDATORS = {
     "enabled": _expect_bool,
     "format": lambda n, v: _expect_choice(n, v, _FORMATS),
     "scaling": lambda n, v: _expect_choice(n, v, _SCALINGS),
-    "margin": lambda n, v: _expect_int(n, v, 0),
-    "amax_history_len": lambda n, v: _expect_int(n, v, 1),
+    "margin": lambda n, v: _expect_int(n, v, 0, MAX_MARGIN, _MARGIN_WHY),
+    "amax_history_len": lambda n, v: _expect_int(n, v, 1, MAX_AMAX_HISTORY_LEN, _HISTORY_WHY),
     "amax_compute_algo": lambda n, v: _expect_choice(n, v, _AMAX_ALGOS),
-    "interval": lambda n, v: _expect_int(n, v, 1),
+    "interval": lambda n, v: _expect_int(n, v, 1, MAX_INTERVAL, _INTERVAL_WHY),
     "fp8_weights": _expect_bool,
     "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,
@@ -321,6 +344,18 @@ def _translate_key(key: Any, value: Any) -> list[tuple[str, Any]]:
     raise ValueError(f"unknown recipe key {key!r}{did_you_mean} Known keys: {', '.join(known)}")
 
 
+def _check_format_flags(data: Mapping[str, Any]) -> None:
+    """NeMo's per-format flags: one set to false while none is true names no format at all."""
+    flags = {k: data[k] for k in ("fp8_hybrid", "fp8_e4m3") if k in data}
+    enabled = all(data.get(k, True) is not False for k in ("fp8", "enabled", "use_fp8"))
+    if enabled and flags and all(v is False for v in flags.values()):
+        given = ", ".join(f"{k}: false" for k in flags)
+        raise ValueError(
+            f"recipe keys {given} name no FP8 format (NeMo refuses FP8 without one); set fp8_hybrid: true "
+            "(E4M3 forward, E5M2 gradients) or fp8_e4m3: true (E4M3 everywhere)"
+        )
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -349,3 +384,21 @@ RECIPES: dict[str, Fp8Recipe] = {
     # LoRA: frozen base weights stored in FP8, adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True),
 }
+
+
+def as_recipe(recipe: Fp8Recipe | str | os.PathLike | Mapping[str, Any] | None) -> Fp8Recipe:
+    """What every public entry point takes as a recipe: an :class:`Fp8Recipe`, a name in
+    :data:`RECIPES`, the path of a YAML file, a dict of recipe keys, or ``None`` (the recipe
+    ``hf-fp8 launch`` handed over, else the defaults)."""
+    if recipe is None:
+        return Fp8Recipe.from_launcher()
+    if isinstance(recipe, Fp8Recipe):
+        return recipe
+    if isinstance(recipe, (str, os.PathLike)):
+        return Fp8Recipe.load(str(recipe))
+    if isinstance(recipe, Mapping):
+        return Fp8Recipe.from_dict(recipe)
+    raise TypeError(
+        f"a recipe must be an Fp8Recipe, a recipe name ({', '.join(sorted(RECIPES))}), the path of a YAML "
+        f"file or a dict of recipe keys, got {type(recipe).__name__}"
+    )

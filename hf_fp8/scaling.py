@@ -41,6 +41,9 @@ def advance_steps(
     scales, ``steps[i]`` its step counter.
     """
     history = torch.stack(histories)  # (layers, roles, history length)
+    # A non-finite amax (a NaN batch) stops counting once its step is over: the scale made from it
+    # keeps its previous value for one step, then the history is clean again.
+    history[:, :, 1:] = torch.nan_to_num(history[:, :, 1:], nan=0.0, posinf=0.0, neginf=0.0)
     if recipe.scaling == "delayed":
         scale = torch.stack(scales)
         amax = history.amax(dim=2) if recipe.amax_compute_algo == "max" else history[:, :, 0]

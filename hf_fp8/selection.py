@@ -28,6 +28,7 @@ __all__ = [
     "ModelContext",
     "excluded_by",
     "linear_shape",
+    "matches",
     "module_record",
     "record",
 ]
@@ -94,16 +95,13 @@ def module_record(
 
 
 def excluded_by(name: str, recipe: Fp8Recipe) -> str | None:
-    """The ``modules_to_not_convert`` pattern that matches ``name``, if any (a pattern matches the whole
-    dotted name or a suffix of it)."""
-    return next(
-        (
-            p
-            for p in recipe.modules_to_not_convert
-            if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, f"*.{p}")
-        ),
-        None,
-    )
+    """The ``modules_to_not_convert`` pattern that matches ``name``, if any."""
+    return next((p for p in recipe.modules_to_not_convert if matches(name, p)), None)
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether the ``fnmatch`` ``pattern`` matches the dotted module ``name`` or a suffix of it."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.guard import Fp8NanGuard
 from hf_fp8.patch import is_patched, patch_model
 from hf_fp8.patch_state import get_state
-from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
 from hf_fp8.step import end_pending_step, set_recipe
 from hf_fp8.telemetry import Fp8Telemetry
@@ -58,12 +58,12 @@ class Fp8TrainerCallback(TrainerCallback):
 
     def __init__(
         self,
-        recipe: Fp8Recipe | None = None,
+        recipe: Fp8Recipe | str | None = None,
         backend: str = "auto",
         sample_layers: int = 8,
         max_consecutive_skips: int = 10,
     ) -> None:
-        self.recipe = recipe
+        self.recipe = as_recipe(recipe) if recipe is not None else None
         self.backend = backend
         self.sample_layers = sample_layers
         self.max_consecutive_skips = max_consecutive_skips
@@ -207,7 +207,7 @@ class Fp8Trainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        fp8_recipe: Fp8Recipe | None = None,
+        fp8_recipe: Fp8Recipe | str | None = None,
         fp8_callback: Fp8TrainerCallback | None = None,
         **kwargs: Any,
     ) -> None:

@@ -265,7 +265,7 @@ def test_layers_of_different_recipes_end_a_step_together_as_each_would_alone():
         dict(amax_history_len=4, interval=2),  # shares the first layer's recipe, not its step count
         dict(amax_history_len=4, format="e4m3"),
         dict(amax_history_len=4, scaling="current"),
-        dict(amax_history_len=4, interval=2),  # and the same recipe with its state in BF16
+        dict(amax_history_len=4, interval=2),  # and the same recipe in a BF16 layer (its state float32)
     ]
 
     def layers():
@@ -289,7 +289,7 @@ def test_layers_of_different_recipes_end_a_step_together_as_each_would_alone():
         assert torch.equal(layer.amax_history, single.amax_history)
         assert torch.equal(layer.scale, single.scale)
         assert layer.fp8_steps.item() == single.fp8_steps.item()
-    assert together[5].scale.dtype == torch.bfloat16
+    assert together[5].weight.dtype == torch.bfloat16 and together[5].scale.dtype == torch.float32
     assert together[0].scale[INPUT] == 448.0 / 4, "interval 2 from step 0: recomputed after steps 0 and 2"
     assert together[2].scale[INPUT] == 448.0 / 2, "interval 2 from step 1: recomputed after step 1 only"
     assert together[1].scale[INPUT] == 448.0 / 4 / 2**2, "most_recent with margin 2: the last amax"

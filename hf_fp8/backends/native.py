@@ -8,6 +8,7 @@ all-reduce over the data-parallel group and a batched scale update (:mod:`hf_fp8
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -16,13 +17,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.backends.base import Fp8Backend, LayerScaling, Replaced
+from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.linear import STATE_BUFFERS, Fp8Conv1D, Fp8Linear, Fp8Module, refresh_stored_scales
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
-from hf_fp8.scaling import advance_steps
+from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, advance_steps
+from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
 
@@ -35,8 +37,10 @@ class NativeBackend(Fp8Backend):
     def __init__(self, recipe: Fp8Recipe) -> None:
         super().__init__(recipe)
         self.layers: list[Fp8Module] = []
+        self.names: list[str] = []
         # fp8_weights: FP8 layers whose weight is not stored in FP8 yet (it is not while it trains).
         self.unquantized: list[Fp8Module] = []
+        self.watch = NonFiniteWatch()
 
     @classmethod
     def usable(cls, device: torch.device) -> tuple[bool, str]:
@@ -69,7 +73,8 @@ class NativeBackend(Fp8Backend):
     def attach(
         self, model: nn.Module, replaced: list[Replaced], report: PatchReport
     ) -> list[RemovableHandle]:
-        self.layers = [m for m in model.modules() if isinstance(m, Fp8Module)]
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Module)]
+        self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         _keep_fp8_state_out_of_ddp_broadcast(model)
         if self.recipe.fp8_weights:
             # A weight another module also uses (tied embeddings) must keep its dtype for that module.
@@ -103,7 +108,8 @@ class NativeBackend(Fp8Backend):
             self.unquantized.remove(module)
 
     def end_step(self, group: Any) -> None:
-        end_native_step(self.layers, group)
+        self.watch.poll(self.names)
+        self.watch.submit(end_native_step(self.layers, group))
 
     def calibrated(self) -> bool:
         return all(m.scale_checks_left == 0 or m.recipe.scaling != "delayed" for m in self.layers)
@@ -115,6 +121,58 @@ class NativeBackend(Fp8Backend):
 
     def state_restored(self, model: nn.Module) -> None:
         refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Module)], all_layers=True)
+        self.watch.clear()  # what the restored state replaced is no longer news
+
+
+class NonFiniteWatch:
+    """Says when a step recorded a non-finite amax, without making the host wait for the GPU: the
+    step's per-layer flags are copied to the host asynchronously and read at the next step's end.
+
+    The NaN guard (``Fp8NanGuard``, the Trainer callback) catches such a step before the optimizer
+    does; a loop without it gets this warning, and the history forgets the value after one step."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, int] | None = None
+        self._steps = 0
+
+    def submit(self, bad: torch.Tensor | None) -> None:
+        """Take one step's (layer, role) flags (``True``: a non-finite newest amax)."""
+        self._steps += 1
+        if bad is None:
+            return
+        if bad.is_cuda:
+            event = torch.cuda.Event()
+            self._pending = (bad.to("cpu", non_blocking=True), event, self._steps)
+            event.record()
+        else:
+            self._pending = (bad, None, self._steps)
+
+    def poll(self, names: list[str]) -> None:
+        """Warn about the flags submitted last, if the GPU is done with them."""
+        if self._pending is None:
+            return
+        flags, event, step = self._pending
+        if event is not None and not event.query():
+            return
+        self._pending = None
+        rows = flags.tolist()
+        forward = [name for name, row in zip(names, rows, strict=False) if row[INPUT] or row[WEIGHT]]
+        backward = [name for name, row in zip(names, rows, strict=False) if row[GRAD_OUTPUT]]
+        if forward or backward:
+            # Where it started: the first layer whose forward saw it, else the last the backward reached.
+            first = forward[0] if forward else backward[-1]
+            count = len(set(forward) | set(backward))
+            more = f" (and {count - 1} more layers after it)" if count > 1 else ""
+            warnings.warn(
+                f"hf_fp8: FP8 step {step} recorded a non-finite amax in layer {first!r}{more}: a NaN or inf "
+                "in the batch, its activations or its gradients; those scales kept their previous values. "
+                "Guard the loop with hf_fp8.Fp8NanGuard (the Trainer callback does) to catch such a step "
+                "before the optimizer applies it",
+                stacklevel=2,
+            )
+
+    def clear(self) -> None:
+        self._pending = None
 
 
 @torch.no_grad()
@@ -133,19 +191,25 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
 
 
 @torch.no_grad()
-def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) -> None:
-    """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction).
+def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction); returns, per
+    layer and role, whether its newest amax was non-finite (``None`` without layers).
 
-    Layers whose recipe and state tensors (device, shape, dtype) agree are advanced together: their
+    Layers whose recipe and state tensors (device, shape) agree are advanced together: their
     state is stacked, updated with one set of kernels and copied back, so a step's end costs a few
     dozen kernel launches for the whole model instead of a few dozen per layer.
     """
+    layers = [layer for layer in layers if not layer.amax_history.is_meta]  # shapes only: nothing to do
+    if not layers:
+        return None
     states = [layer.scaling_state("") for layer in layers]
     sync_amaxes([role.amax_history[0] for s in states for role in s.roles.values()], group)
+    newest = torch.stack([layer.amax_history[:, 0].to(layers[0].amax_history.device) for layer in layers])
+    bad = ~torch.isfinite(newest)
     batches: dict[tuple, list[Fp8Module]] = {}
     for layer in layers:
         history = layer.amax_history
-        batches.setdefault((layer.recipe, history.device, history.shape, history.dtype), []).append(layer)
+        batches.setdefault((layer.recipe, history.device, history.shape), []).append(layer)
     for (recipe, *_), batch in batches.items():
         advance_steps(
             recipe,
@@ -154,6 +218,7 @@ def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) ->
             [m.fp8_steps for m in batch],
         )
     refresh_stored_scales(layers)
+    return bad
 
 
 def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:
