@@ -1,21 +1,29 @@
-"""The ``hf-fp8`` command line: launch, inspect, env, demo.
+"""The hf-fp8 command line.
 
-    hf-fp8 launch [accelerate launch options] --recipe RECIPE script.py [script args]
-    hf-fp8 inspect MODEL_DIR_OR_CONFIG [--recipe RECIPE]
-    hf-fp8 env
-    hf-fp8 demo [demo options]
+usage: hf-fp8 <command> [options]
 
-Bad input ends with one line on stderr and exit status 2, never a traceback.
+FP8 training and fine-tuning for HuggingFace Transformers models.
+
+commands:
+  launch    accelerate launch with an FP8 recipe: hf-fp8 launch --recipe NAME script.py [args]
+  inspect   what patch_model would convert in a model (folder or config.json), and its weight memory
+  env       versions, GPUs, FP8 support, and the backend that backend='auto' picks
+  demo      fine-tune SmolLM2-135M on Shakespeare in BF16 and in FP8 and compare the two runs
+
+Run 'hf-fp8 <command> --help' for a command's options. Bad input gets one line on stderr and exit
+status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -30,11 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
-            print(__doc__.strip())
+            print(__doc__.split("\n", 2)[2].strip())
             return 0 if argv else 2
         command, rest = argv[0], argv[1:]
         if command not in _COMMANDS:
-            raise CliError(f"unknown command {command!r}; commands: {', '.join(_COMMANDS)}")
+            raise CliError(f"unknown command {command!r}; commands: {', '.join(_COMMANDS)} (hf-fp8 --help)")
         return {"launch": _launch, "inspect": _inspect, "env": _env, "demo": _demo}[command](rest)
     except CliError as err:
         print(f"hf-fp8: error: {err}", file=sys.stderr)
@@ -54,9 +62,12 @@ def _launch(argv: list[str]) -> int:
     from hf_fp8.recipe import LAUNCHER_ENV
 
     parser = launch_command_parser()
+    if _asks_for_help(argv):
+        print(_launch_help(parser.format_help()))
+        return 0
     # Added to accelerate's own parser: its options are checked as accelerate checks them, and
     # everything after the script is the script's, a --recipe there included.
-    parser.add_argument("--recipe", required=True, help="a named recipe (hybrid-delayed, ...) or a YAML file")
+    parser.add_argument("--recipe", required=True, help=_RECIPE_HELP)
 
     def refuse(message: str) -> None:
         raise CliError(f"launch: {message}")
@@ -89,6 +100,43 @@ def _launch(argv: list[str]) -> int:
     return 0
 
 
+_RECIPE_HELP = (
+    "FP8 recipe: a name (conservative, current-scaling, hybrid-delayed, lora-fp8) or a YAML file; "
+    "recipes/ holds the named ones as YAML"
+)
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+    """-h/--help among hf-fp8 launch's own options (after the script it is the script's)."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return True
+        if not arg.startswith("-") and arg.endswith(".py"):
+            return False
+    return False
+
+
+def _launch_help(accelerate_help: str) -> str:
+    rest = accelerate_help.partition("\n\n")[2]  # without accelerate's own usage line
+    return "\n".join(
+        [
+            "usage: hf-fp8 launch --recipe RECIPE [accelerate launch options] script.py [script arguments]",
+            "",
+            "accelerate launch with an FP8 recipe: the training processes find it in HF_FP8_RECIPE, which",
+            "hf_fp8.patch_model() reads when given no recipe. Non-FP8 ops run in bf16 (--mixed_precision",
+            "defaults to bf16).",
+            "",
+            "hf-fp8 options:",
+            f"  --recipe RECIPE       (required) {_RECIPE_HELP}",
+            "",
+            "refused: --mixed_precision fp8 (accelerate would convert the model to FP8 a second time)",
+            "",
+            "accelerate launch options, passed through as accelerate takes them:",
+            rest,
+        ]
+    )
+
+
 def _load_recipe(spec: str):
     from hf_fp8.recipe import Fp8Recipe
 
@@ -104,22 +152,28 @@ def _load_recipe(spec: str):
 def _inspect(argv: list[str]) -> int:
     parser = _parser("inspect", "What patch_model would convert in a model, and its weight memory.")
     parser.add_argument("model", help="a model folder (with config.json) or a config.json file")
-    parser.add_argument("--recipe", default="hybrid-delayed", help="a named recipe or a YAML file")
+    parser.add_argument("--recipe", default="hybrid-delayed", help=_RECIPE_HELP)
     args = parser.parse_args(argv)
     recipe = _load_recipe(args.recipe)
-    model, dtype = _meta_model(args.model)
+    model, class_note = _meta_model(args.model)
 
     from hf_fp8.patch import plan_patch
 
     report = plan_patch(model, recipe)
     print(report)
-    bytes_per_value = 4 if dtype == "float32" else 2
+    print(f"  model class: {type(model).__name__} ({class_note})")
+    dtype, dtype_note = _checkpoint_dtype(Path(args.model), model)
+    bytes_per_value = _DTYPE_BYTES.get(dtype, 2)
     total = report.total_params * bytes_per_value
     gemm = sum(r.params for r in report.converted_gemms) * bytes_per_value
     fp8 = total - gemm + gemm // bytes_per_value
-    print(f"  weights: {_size(total)} in {dtype or 'bfloat16 (assumed)'}")
+    print(f"  weights: {_size(total)} in {dtype} ({dtype_note})")
     print(f"  converted layers' weights stored in FP8 (fp8_weights, frozen): {_size(fp8)}, {fp8 / total:.0%}")
     return 0
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 def _size(n_bytes: int) -> str:
@@ -127,8 +181,10 @@ def _size(n_bytes: int) -> str:
 
 
 def _meta_model(path: str):
-    """The model of a folder or config file, built on the meta device: no weights read, no memory."""
+    """The model of a folder or config file, built on the meta device (no weights read, no memory) as
+    the class its config names in ``architectures``, else an Auto class; and how the class was chosen."""
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     if not os.path.exists(path):
@@ -139,13 +195,39 @@ def _meta_model(path: str):
         raise CliError(
             f"cannot read a transformers config from {path!r}: {str(err).splitlines()[0]}"
         ) from None
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = AutoModel.from_config(config)
-    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
-    return model, str(dtype).replace("torch.", "") if dtype is not None else None
+    named = next(iter(getattr(config, "architectures", None) or []), None)
+    model_class = getattr(transformers, named, None) if named else None
+    try:
+        with torch.device("meta"):
+            if model_class is not None:
+                return model_class._from_config(config), "from the config's architectures"
+            try:
+                return AutoModelForCausalLM.from_config(
+                    config
+                ), "no architectures in the config: AutoModelForCausalLM"
+            except ValueError:
+                return AutoModel.from_config(config), "no architectures in the config: AutoModel"
+    except Exception as err:  # a config that parses but describes no buildable model
+        problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CliError(f"cannot build a model from the config in {path!r}: {problem}") from None
+
+
+def _checkpoint_dtype(path: Path, model) -> tuple[str, str]:
+    """The dtype the checkpoint stores its weights in (from its safetensors header), else the config's,
+    and where that came from."""
+    folder = path if path.is_dir() else path.parent
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        with open(shards[0], "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        kinds = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        floats = [_SAFETENSORS_DTYPES[k] for k in kinds if k in _SAFETENSORS_DTYPES]
+        if floats:
+            return max(floats, key=_DTYPE_BYTES.get), f"from {shards[0].name}"
+    dtype = getattr(model.config, "dtype", None)
+    if dtype is not None:
+        return str(dtype).replace("torch.", ""), "from the config; no safetensors weights found"
+    return "bfloat16", "assumed: no safetensors weights and no dtype in the config"
 
 
 # ---- env --------------------------------------------------------------------------------------------
@@ -216,10 +298,7 @@ def _cudnn_status() -> str:
 def _demo(argv: list[str]) -> int:
     from hf_fp8.demo import main as demo_main
 
-    try:
-        return demo_main(argv)
-    except ValueError as err:  # a bad recipe, step count or device
-        raise CliError(f"demo: {err}") from None
+    return demo_main(argv)  # the demo reports its own bad input the same way (one line, exit 2)
 
 
 def _parser(command: str, description: str) -> argparse.ArgumentParser:

