@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hf_fp8.backends.base import ObservableCasts
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.formats import E4M3, E5M2
+from hf_fp8.scaling_state import ObservableCasts
 
 __all__ = ["Fp8Telemetry"]
 

@@ -9,15 +9,15 @@ subclass of :class:`Fp8Backend`, listed in ``hf_fp8/backends/__init__.py``.
 A backend class answers questions about the machine and the recipe (``usable``, ``check``) and about
 single modules (``owns``, ``layer_scaling``, ``to_plain``); an instance belongs to one patched model and
 keeps what that model's patch needs (its FP8 layers, a translated recipe, what to put back on undo).
+What a layer's scaling state looks like is :mod:`hf_fp8.scaling_state`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,49 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import ModuleRecord, PatchReport
+from hf_fp8.scaling_state import LayerScaling
 
-__all__ = [
-    "CastObserver",
-    "Fp8Backend",
-    "FusedBlock",
-    "LayerScaling",
-    "ObservableCasts",
-    "Replaced",
-    "RoleScaling",
-]
-
-# Called by an FP8 layer at each cast it makes while observed: (role, source tensor, scale, FP8 result).
-CastObserver = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-@runtime_checkable
-class ObservableCasts(Protocol):
-    """An FP8 layer that reports its casts to an observer (telemetry samples such layers)."""
-
-    def observe_casts(self, observer: CastObserver | None) -> None: ...
-
-
-@dataclass(frozen=True)
-class RoleScaling:
-    """The delayed-scaling state of one tensor role of an FP8 layer (live tensors, not copies).
-
-    ``amax_history`` has the newest entry first (index 0 along its first dimension); ``direction`` is
-    ``"fwd"`` for what the forward quantizes (inputs, weights) and ``"bwd"`` for gradients.
-    """
-
-    direction: str
-    amax_history: torch.Tensor
-    scale: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LayerScaling:
-    """One FP8 layer's scaling state: by role, and every tensor of it by its checkpoint key suffix."""
-
-    name: str
-    module: nn.Module
-    roles: dict[str, RoleScaling]
-    tensors: dict[str, torch.Tensor]
+__all__ = ["Fp8Backend", "FusedBlock", "Replaced"]
 
 
 @dataclass(frozen=True)

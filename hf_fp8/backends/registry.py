@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from hf_fp8.backends.base import Fp8Backend, LayerScaling
+from hf_fp8.backends.base import Fp8Backend
 from hf_fp8.backends.native import NativeBackend
 from hf_fp8.backends.te import TeBackend
 from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["BACKENDS", "backend_class", "fp8_layers", "is_fp8_module", "plain_module"]
 

@@ -25,12 +25,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.backends.base import Fp8Backend, FusedBlock, LayerScaling, Replaced, RoleScaling
+from hf_fp8.backends.base import Fp8Backend, FusedBlock, Replaced
 from hf_fp8.formats import FP8_ALIGNMENT, compute_scale, gpu_has_fp8
 from hf_fp8.module_tree import get_path, set_path
 from hf_fp8.norms import norm_eps, norm_kind
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import CONVERTED, PatchReport
+from hf_fp8.scaling_state import LayerScaling, RoleScaling
 from hf_fp8.selection import excluded_by, record
 
 _INSTALL_HINT = (
