@@ -20,17 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.inputs import check_model
 from hf_fp8.patch_state import get_state
 
 __all__ = ["compile_model", "repeated_blocks"]
+
+_COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again changes nothing
 
 
 def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     """Compile ``model``'s repeated blocks and its loss function in place, and return ``model``.
 
-    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ...). Call it after
-    ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...). Call it
+    after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
+    Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
+    parameters and its ``state_dict`` keys.
     """
+    check_model(model, "hf_fp8.compile")
+    if getattr(model, _COMPILED, False):
+        return model
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(
@@ -43,11 +51,15 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             f"the {state.backend.name} backend does not run under torch.compile; patch with "
             "backend='native' for the compiled fast path"
         )
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
-    loss_function = getattr(model, "loss_function", None)
-    if callable(loss_function):
-        model.loss_function = torch.compile(loss_function, **options)
+    # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
+    hf_model = next(
+        (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None
+    )
+    if hf_model is not None:
+        hf_model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    owner = next((m for m in model.modules() if "loss_function" in dir(type(m))), None)
+    if owner is not None and callable(owner.loss_function):
+        owner.loss_function = torch.compile(owner.loss_function, **options)
 
     def compile_blocks() -> bool:
         if state is not None and not state.backend.calibrated():
@@ -58,6 +70,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
 
     if not compile_blocks():
         state.after_step.append(compile_blocks)
+    setattr(model, _COMPILED, True)
     return model
 
 
