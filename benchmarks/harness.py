@@ -66,7 +66,8 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     steps, the last loss and the warm-up time (compilation included). With ``args.profile``, also
     where the GPU time of a step goes."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda", generator=generator)
+    vocab = step_model.config.vocab_size  # a compiled model forwards the attribute to its module
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=generator)
 
     def step() -> torch.Tensor:
         with forward_context():

@@ -14,6 +14,7 @@ Modes:
   hf-fp8, hf-fp8-lmhead      hf-fp8's fast path: patch_model (native) + hf_fp8.compile; with the output
                              head in FP8 too
   hf-fp8-current             the same with current scaling
+  hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the same with the row-wise recipes
   native, native-compile     patch_model (native), eager; with torch.compile(model)
   torchao, torchao-rowwise   torchao float8 training (tensorwise / rowwise) + torch.compile(model)
   accelerate-te              accelerate's convert_model + te.autocast (TE's DelayedScaling)
@@ -39,6 +40,8 @@ MODES = (
     "hf-fp8",
     "hf-fp8-lmhead",
     "hf-fp8-current",
+    "hf-fp8-rowwise",
+    "hf-fp8-rowwise-gw-hp",
     "native",
     "native-compile",
     "torchao",
@@ -61,9 +64,14 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     elif mode == "bf16-regional":
         hf_fp8.compile(model)
     elif mode.startswith("hf-fp8"):
-        recipe = hf_fp8.Fp8Recipe(
-            scaling="current" if mode.endswith("current") else "delayed",
-            convert_lm_head=mode.endswith("lmhead"),
+        named = {"hf-fp8-rowwise": "rowwise", "hf-fp8-rowwise-gw-hp": "rowwise-gw-hp"}
+        recipe = (
+            hf_fp8.Fp8Recipe.named(named[mode])
+            if mode in named
+            else hf_fp8.Fp8Recipe(
+                scaling="current" if mode.endswith("current") else "delayed",
+                convert_lm_head=mode.endswith("lmhead"),
+            )
         )
         hf_fp8.patch_model(model, recipe, backend="native")
         hf_fp8.compile(model)

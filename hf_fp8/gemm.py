@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
-from hf_fp8.scaling import GRAD_OUTPUT, INPUT, ROLES, WEIGHT
+from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
-__all__ = ["GemmConfig", "fp8_linear", "fp8_mm"]
+__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "quantize"]
 
 
 class GemmConfig(NamedTuple):
@@ -57,11 +57,14 @@ def fp8_linear(
     ``amax_history`` / ``scale`` are the layer's scaling state (see :mod:`hf_fp8.scaling`); ``record``
     says whether this call is part of a training step (amaxes and scales are then written).
     ``weight_scale`` is given when ``weight`` is already stored in FP8. ``observer``, when given, sees
-    every cast a recorded call makes (see :data:`hf_fp8.backends.base.CastObserver`).
+    every cast a recorded call makes (see :data:`hf_fp8.scaling_state.CastObserver`).
     """
-    return _Fp8LinearFunction.apply(
-        x, weight, bias, amax_history, scale, weight_scale, record, config, observer
+    # Flattened and reshaped outside the Function: its output is then no view, so the caller may
+    # change it in place (Falcon adds the attention output into the MLP's).
+    out = _Fp8LinearFunction.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, weight_scale, record, config, observer
     )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -78,12 +81,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         config: GemmConfig,
         observer,
     ) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
+
         fmt = config.forward_format
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_scale, x_fp8 = _cast(x2d, INPUT, amax_history, scale, fmt, config, record, observer)
+        x_scale, x_fp8 = quantize(x, INPUT, "input", fmt, amax_history, scale, config, record, observer)
         if weight_scale is None:
-            w_scale, w_fp8 = _cast(weight, WEIGHT, amax_history, scale, fmt, config, record, observer)
+            w_scale, w_fp8 = quantize(
+                weight, WEIGHT, "weight", fmt, amax_history, scale, config, record, observer
+            )
         else:  # stored in FP8 (fp8_weights): no cast, no amax
             w_scale, w_fp8 = weight_scale, weight
             if record:
@@ -107,10 +112,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.config = config
         ctx.observer = observer
         ctx.has_bias = bias is not None
-        ctx.input_shape = x.shape
         ctx.input_dtype = x.dtype
         ctx.weight_dtype = weight.dtype  # an FP8 weight is frozen: no gradient in this dtype
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -118,15 +122,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         config: GemmConfig = ctx.config
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_scale, dy_fp8 = _cast(
-            dy, GRAD_OUTPUT, ctx.amax_history, ctx.scale, fmt, config, ctx.record, ctx.observer
+        dy_scale, dy_fp8 = quantize(
+            dy, GRAD_OUTPUT, "grad_output", fmt, ctx.amax_history, ctx.scale, config, ctx.record, ctx.observer
         )
 
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
             grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_scale, w_scale, ctx.input_dtype)
-            grad_x = grad_x.reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
             dy_t = _pad_rows(dy_fp8, FP8_ALIGNMENT).t().contiguous()
@@ -136,22 +139,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None
 
 
-def _cast(
+def quantize(
     t: torch.Tensor,
     role: int,
+    role_name: str,
+    fmt: Fp8Format,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
-    fmt: Fp8Format,
     config: GemmConfig,
     record: bool,
     observer,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t``'s scale for this step and ``t`` cast to ``fmt`` with it; records ``t``'s amax when
-    ``record``. The observer sees the cast."""
+    """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
+    ``role``; records ``t``'s amax when ``record``. The observer sees the cast as ``role_name``."""
     stored = config.stored_scales[role]
     amax = t.detach().abs().amax().float() if record or not stored else None
     if stored:
-        chosen = scale[role].float()
+        chosen = scale[role].to(torch.float32, copy=True)  # not a view: the buffer changes in place
     else:
         chosen = compute_scale(amax, fmt, config.margin)
         if record:  # what a checkpoint or a log reads is what was applied
@@ -160,7 +164,7 @@ def _cast(
         amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
     t_fp8 = cast_to_fp8(t, chosen, fmt)
     if record and observer is not None:
-        observer(ROLES[role], t.detach(), chosen, t_fp8)
+        observer(role_name, t.detach(), chosen, t_fp8)
     return chosen, t_fp8
 
 

@@ -6,9 +6,8 @@ FP8 numerics of training are the same in CPU tests and on the GPU. Each is a sub
 replaces and shares its ``weight`` / ``bias`` parameters, so ``isinstance`` checks, PEFT's dispatch
 and HF ``state_dict`` keys keep working.
 
-Per tensor role (input, weight, grad_output) a layer keeps an amax history and a scale as
-non-persistent buffers (never in ``state_dict``, so HF checkpoints load unchanged); see
-:mod:`hf_fp8.scaling` for how they are used and updated.
+Per tensor role (input, weight, grad_output) a layer keeps an amax history and a scale
+(:mod:`hf_fp8.scaled`); see :mod:`hf_fp8.scaling` for how they are used and updated.
 
 With the recipe's ``fp8_weights``, a frozen weight is stored in FP8 (one byte a value plus a scale):
 quantized once, never re-cast, no weight gradient and no high-precision copy on the device.
@@ -22,74 +21,43 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.autocast import fp8_active
+from hf_fp8.blockwise import block_linear
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.gemm import GemmConfig, fp8_linear
 from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.rowwise import rowwise_linear
+from hf_fp8.scaled import Fp8Scaled
 from hf_fp8.scaling import ROLES
-from hf_fp8.scaling_state import CastObserver, LayerScaling, RoleScaling
 from hf_fp8.stored_weight import Fp8StoredWeight
 
-__all__ = ["STATE_BUFFERS", "Fp8Conv1D", "Fp8Linear", "Fp8Module", "refresh_stored_scales"]
-
-# The buffers of a layer's scaling state, as they are named in the module and in checkpoints.
-STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
+__all__ = ["Fp8Conv1D", "Fp8Linear", "Fp8Module"]
 
 
-class Fp8Module(nn.Module):
+class Fp8Module(Fp8Scaled):
     """State and forward shared by the FP8 replacements of ``nn.Linear`` and HF's ``Conv1D``."""
 
-    recipe: Fp8Recipe
+    ROLE_NAMES = ROLES
+    FORWARD_ROLES = 2
 
-    def _init_fp8(self, recipe: Fp8Recipe | None) -> None:
-        self.recipe = recipe or Fp8Recipe()
-        self._cast_observer: CastObserver | None = None
-        self._reset_fp8_state()
-
-    def _reset_fp8_state(self) -> None:
-        device = self.weight.device
-        history = torch.zeros(len(ROLES), self.recipe.amax_history_len, device=device)
-        self.register_buffer("amax_history", history, persistent=False)
-        self.register_buffer("scale", torch.zeros(len(ROLES), device=device), persistent=False)
-        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-        # Per role, whether its stored scale comes from a history (see hf_fp8.scaling): a Python flag,
-        # so that compiled code has no branch on tensor values. Read back from the scales at the end
-        # of the layer's first step and whenever the state is loaded: see refresh_stored_scales.
-        self.stored_scales: tuple[bool, ...] = (False,) * len(ROLES)
-        self.scale_checks_left = _SCALE_CHECKS
-
-    def _adopt(self, source: nn.Module) -> None:
-        """Take over ``source``'s weight and bias (the same Parameter objects) and its mode."""
+    def _adopt(self, source: nn.Module, recipe: Fp8Recipe | None) -> None:
+        """Take over ``source``'s weight and bias (the same Parameter objects) and its mode; ``source``
+        itself is kept, unchanged, for :meth:`to_float`."""
         self.weight = source.weight
         self.bias = source.bias
         self.train(source.training)
-        self._reset_fp8_state()
+        self.remember_float_module(source)
+        self.init_fp8_state(recipe, self.weight.device)
 
-    def _apply(self, fn, recurse: bool = True):
-        """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
-        (``.half()``, ``.to(torch.bfloat16)``) do not: amaxes and scales stay float32, where gradient
-        scales of 1e7 and more fit (float16 would turn them into inf)."""
-        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in state.items():
-                moved = fn(tensor)
-                self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
-        return self
-
-    def scaling_state(self, name: str) -> LayerScaling:
-        """This layer's scaling state (live tensors) by role, and by checkpoint key."""
-        directions = ("fwd", "fwd", "bwd")
-        roles = {
-            role: RoleScaling(direction, self.amax_history[i], self.scale[i])
-            for i, (role, direction) in enumerate(zip(ROLES, directions, strict=True))
-        }
-        return LayerScaling(name, self, roles, {b: getattr(self, b) for b in STATE_BUFFERS})
-
-    def observe_casts(self, observer: CastObserver | None) -> None:
-        """Have ``observer`` see every cast of the next training forwards and backwards (``None``: stop)."""
-        self._cast_observer = observer
+    def to_float(self) -> nn.Module:
+        """The layer this one was made from (its class, a subclass of ``nn.Linear`` included), with the
+        same parameters (a weight stored in FP8 dequantized) and this layer's mode; a plain layer of
+        the base class when this one was built directly."""
+        self.dequantize_weight_()
+        plain = self.float_module or self._plain_layer()
+        plain.weight = self.weight
+        plain.bias = self.bias
+        plain.train(self.training)
+        return plain
 
     @property
     def weight_in_fp8(self) -> bool:
@@ -119,6 +87,10 @@ class Fp8Module(nn.Module):
         stored = Fp8StoredWeight.quantize(self.weight, self.recipe.forward_format, self.recipe.margin)
         torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
 
+    def store_weights_in_fp8(self) -> None:
+        """:meth:`quantize_weight_`, under the name every native FP8 module answers to."""
+        self.quantize_weight_()
+
     @torch.no_grad()
     def dequantize_weight_(self) -> None:
         """Undo :meth:`quantize_weight_`: the weight back as a plain tensor (FP8-rounded values)."""
@@ -135,11 +107,6 @@ class Fp8Module(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
             destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
-
-    @property
-    def fp8_enabled(self) -> bool:
-        """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
-        return fp8_active(self.training, self.recipe.use_during_eval)
 
     def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
@@ -160,14 +127,24 @@ class Fp8Module(nn.Module):
         config = GemmConfig(
             forward_format=self.recipe.forward_format,
             backward_format=self.recipe.backward_format,
-            stored_scales=self.stored_scales if self.recipe.scaling == "delayed" else (False,) * len(ROLES),
+            stored_scales=self.stored_scale_roles(),
             margin=self.recipe.margin,
             out_dtype=out_dtype,
         )
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
+        scaling = self.recipe.scaling
         with torch.autocast(device_type, enabled=False):
+            if scaling in ("rowwise", "rowwise_gw_hp", "block"):  # cast from the weight's own values
+                plain = self.dequantized_weight()
+                plain = plain.t() if transposed else plain
+                if scaling == "block":
+                    return block_linear(x, plain, bias, self.amax_history, self.scale, record, config)
+                gw_in_fp8 = scaling == "rowwise"
+                return rowwise_linear(
+                    x, plain, bias, self.amax_history, self.scale, record, config, gw_in_fp8
+                )
             return fp8_linear(
                 x,
                 weight,
@@ -177,7 +154,7 @@ class Fp8Module(nn.Module):
                 weight_scale,
                 record,
                 config,
-                self._cast_observer,
+                self.cast_observer,
             )
 
     def _fp8_repr(self) -> str:
@@ -202,7 +179,7 @@ class Fp8Linear(Fp8Module, nn.Linear):
     ) -> None:
         _check_gemm_shape(in_features, out_features)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(recipe)
+        self.init_fp8_state(recipe, self.weight.device)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
@@ -210,14 +187,12 @@ class Fp8Linear(Fp8Module, nn.Linear):
         weights stay valid)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
-        new._adopt(linear)
+        new._adopt(linear, recipe)
         return new
 
-    def to_float(self) -> nn.Linear:
-        """The plain ``nn.Linear`` with this layer's parameters (a weight stored in FP8 dequantized)."""
+    def _plain_layer(self) -> nn.Linear:
         with torch.device("meta"):
-            plain = nn.Linear(self.in_features, self.out_features, bias=False)
-        return _hand_back(self, plain)
+            return nn.Linear(self.in_features, self.out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or _nothing_to_quantize(x):
@@ -235,21 +210,19 @@ class Fp8Conv1D(Fp8Module, Conv1D):
     def __init__(self, nf: int, nx: int, recipe: Fp8Recipe | None = None) -> None:
         _check_gemm_shape(nx, nf)
         super().__init__(nf, nx)
-        self._init_fp8(recipe)
+        self.init_fp8_state(recipe, self.weight.device)
 
     @classmethod
     def from_float(cls, conv: Conv1D, recipe: Fp8Recipe | None = None) -> Fp8Conv1D:
         """An ``Fp8Conv1D`` sharing ``conv``'s parameters."""
         with torch.device("meta"):
             new = cls(conv.nf, conv.nx, recipe=recipe)
-        new._adopt(conv)
+        new._adopt(conv, recipe)
         return new
 
-    def to_float(self) -> Conv1D:
-        """The plain ``Conv1D`` with this layer's parameters (a weight stored in FP8 dequantized)."""
+    def _plain_layer(self) -> Conv1D:
         with torch.device("meta"):
-            plain = Conv1D(self.nf, self.nx)
-        return _hand_back(self, plain)
+            return Conv1D(self.nf, self.nx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or _nothing_to_quantize(x):
@@ -261,36 +234,10 @@ class Fp8Conv1D(Fp8Module, Conv1D):
         return f"Fp8Conv1D(nf={self.nf}, nx={self.nx}, {self._fp8_repr()})"
 
 
-# Steps at whose end a layer reads back which of its roles have a stored scale (after that, a role
-# first seen later keeps scaling by its own amax: correct, if slower).
-_SCALE_CHECKS = 1
-
-
-@torch.no_grad()
-def refresh_stored_scales(layers: list[Fp8Module], all_layers: bool = False) -> None:
-    """Read back, in one transfer, which roles of ``layers`` have a stored scale (a scale > 0) for
-    those still in their first steps, or for all of them with ``all_layers`` (a loaded state)."""
-    due = [m for m in layers if all_layers or m.scale_checks_left > 0]
-    if not due:
-        return
-    ready = torch.cat([m.scale.detach().cpu() for m in due]).gt(0).view(len(due), -1).tolist()
-    for module, flags in zip(due, ready, strict=True):
-        module.stored_scales = tuple(flags)
-        module.scale_checks_left = max(module.scale_checks_left - 1, 0)
-
-
 def _nothing_to_quantize(x: torch.Tensor) -> bool:
     """No rows (an empty batch) or no data (the meta device, shapes only): the plain layer's result,
     with nothing recorded."""
     return x.numel() == 0 or x.is_meta
-
-
-def _hand_back(layer: Fp8Module, plain: nn.Module) -> nn.Module:
-    layer.dequantize_weight_()  # a weight stored in FP8 comes back in its original dtype
-    plain.weight = layer.weight
-    plain.bias = layer.bias
-    plain.train(layer.training)
-    return plain
 
 
 def _check_gemm_shape(in_features: int, out_features: int) -> None:

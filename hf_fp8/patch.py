@@ -30,7 +30,7 @@ from hf_fp8.inputs import check_amax_group, check_model
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patch_state import PatchState, get_state, set_state
 from hf_fp8.recipe import Fp8Recipe, as_recipe
-from hf_fp8.report import CONVERTED, KEPT, ModuleRecord, PatchReport
+from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 from hf_fp8.selection import ModelContext, matches, module_record
 
 __all__ = ["is_patched", "move_patch", "patch_model", "plan_patch", "unpatch_model"]
@@ -199,6 +199,10 @@ def _decide(
     record = module_record(name, module, backend.recipe, context, is_fp8_module(module))
     if record is None or record.action != CONVERTED:
         return record, None
+    if record.kind == "experts":
+        if backend.keeps_experts is not None:
+            return _with(record, SKIPPED, backend.keeps_experts), None
+        return record, backend.convert_experts(module) if convert else None
     if record.kind not in _NORM_KINDS:
         return record, backend.convert_linear(module) if convert else None
     if backend.keeps_norms is not None:

@@ -25,7 +25,9 @@ __all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe", "as_recipe"
 LAUNCHER_ENV = "HF_FP8_RECIPE"
 
 _FORMATS = ("hybrid", "e4m3", "e5m2")
-_SCALINGS = ("delayed", "current", "block")
+_SCALINGS = ("delayed", "current", "rowwise", "rowwise_gw_hp", "block")
+# Scalings whose GEMMs take E4M3 operands only (cuBLAS's row-wise kernels; DeepSeek-style blocks).
+_E4M3_ONLY = ("rowwise", "rowwise_gw_hp", "block")
 _AMAX_ALGOS = ("max", "most_recent")
 _NAN_POLICIES = ("raise", "skip_step", "increase_margin")
 # Upper bounds of the integer fields, each with the reason a larger value cannot help.
@@ -53,8 +55,11 @@ class Fp8Recipe:
         enabled: use FP8 at all; ``False`` keeps the model in its own precision (a BF16 baseline run).
         format: ``"hybrid"`` (E4M3 forward, E5M2 gradients), ``"e4m3"`` or ``"e5m2"`` everywhere.
         scaling: ``"delayed"`` (scale from the amax history of earlier steps), ``"current"`` (scale from
-            the tensor's own amax, computed just in time) or ``"block"`` (a scale per 1x128 / 128x128
-            block, Transformer Engine's ``Float8BlockScaling``; TE backend only).
+            the tensor's own amax, computed just in time), ``"rowwise"`` (a current scale per row of
+            each GEMM operand), ``"rowwise_gw_hp"`` (the same, with the weight-gradient GEMM in high
+            precision) or ``"block"`` (a scale per 1x128 tile of activations and gradients and per
+            128x128 block of weights; Transformer Engine's ``Float8BlockScaling``, emulated by the
+            native backend). The last three need ``format: e4m3``.
         margin: scale = FP8_MAX / (amax * 2**margin); each step of margin halves the scale and buys one
             binade of headroom against overflow.
         amax_history_len: amaxes kept per tensor for delayed scaling.
@@ -91,6 +96,11 @@ class Fp8Recipe:
         for f in dataclasses.fields(self):
             value = _validate_field(f.name, getattr(self, f.name))
             object.__setattr__(self, f.name, value)
+        if self.scaling in _E4M3_ONLY and self.format != "e4m3":
+            raise ValueError(
+                f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
+                f"format: e4m3 (format is {self.format!r})"
+            )
 
     @property
     def forward_format(self) -> Fp8Format:
@@ -383,6 +393,11 @@ RECIPES: dict[str, Fp8Recipe] = {
     "conservative": Fp8Recipe(margin=1),
     # LoRA: frozen base weights stored in FP8, adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True),
+    # A scale per row of each GEMM operand, from its own amax (torchao's row-wise recipes).
+    "rowwise": Fp8Recipe(format="e4m3", scaling="rowwise"),
+    "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),
+    # DeepSeek-V3 blocks: 1x128 tiles for activations and gradients, 128x128 for weights.
+    "block": Fp8Recipe(format="e4m3", scaling="block"),
 }
 
 

@@ -20,11 +20,20 @@ import torch
 from hf_fp8.formats import compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps"]
+__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps", "record_amax"]
 
 # Rows of a layer's ``amax_history`` and entries of its ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ROLES = ("input", "weight", "grad_output")
+
+
+def record_amax(
+    amax_history: torch.Tensor, scale: torch.Tensor, role: int, amax: torch.Tensor, fmt, margin: int
+) -> None:
+    """For recipes that scale by block or row and keep no history of their own: the tensor's amax in
+    slot 0 of the role's history and its tensorwise scale, for telemetry and the NaN guard."""
+    amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
+    scale[role] = compute_scale(amax, fmt, margin)
 
 
 @torch.no_grad()
@@ -33,12 +42,14 @@ def advance_steps(
     histories: list[torch.Tensor],
     scales: list[torch.Tensor],
     steps: list[torch.Tensor],
+    forward_roles: int = GRAD_OUTPUT,
 ) -> None:
     """End a step for layers that share ``recipe`` and whose state tensors agree in device, shape and
     dtype: stacked, updated with one set of kernels, and copied back.
 
     ``histories[i]`` is layer i's (roles, history length) amax history, ``scales[i]`` its (roles,)
-    scales, ``steps[i]`` its step counter.
+    scales, ``steps[i]`` its step counter; the first ``forward_roles`` roles are scaled for the forward
+    format, the others (gradients) for the backward format.
     """
     history = torch.stack(histories)  # (layers, roles, history length)
     # A non-finite amax (a NaN batch) stops counting once its step is over: the scale made from it
@@ -47,7 +58,7 @@ def advance_steps(
     if recipe.scaling == "delayed":
         scale = torch.stack(scales)
         amax = history.amax(dim=2) if recipe.amax_compute_algo == "max" else history[:, :, 0]
-        forward, backward = slice(None, GRAD_OUTPUT), slice(GRAD_OUTPUT, None)
+        forward, backward = slice(None, forward_roles), slice(forward_roles, None)
         new_scale = torch.cat(
             [
                 compute_scale(amax[:, forward], recipe.forward_format, recipe.margin, scale[:, forward]),

@@ -1,23 +1,30 @@
 """Which modules ``patch_model`` converts, and why the others stay: one report entry per module.
 
 Nothing here changes a model; :mod:`hf_fp8.patch` acts on the decisions. The rules, in order, for
-``nn.Linear`` and transformers' ``Conv1D``: already FP8, a subclass with its own behaviour, a PEFT adapter
-weight, ``modules_to_not_convert``, the output head or a weight tied to the input embeddings (unless
-``convert_lm_head``), an MoE router, and dimensions that are not multiples of 16 are skipped; the rest
-converts. Norms are recognised by what they compute; whether a backend converts them is its own
-business. Other modules with matrix weights (MoE experts stored as 3-D tensors) are reported as GEMMs
+``nn.Linear`` and transformers' ``Conv1D``: already FP8, a subclass that computes something else or
+whose weights its parent reads directly, a PEFT adapter weight, ``modules_to_not_convert``, the output
+head or a weight tied to the input embeddings (unless ``convert_lm_head``), an MoE router, and
+dimensions that are not multiples of 16 are skipped; the rest converts. A subclass converts when it
+computes what its base class computes (checked on a probe: Falcon's ``FalconLinear``, for one).
+
+Norms are recognised by what they compute; whether a backend converts them is its own business. MoE
+experts in transformers' experts layout (3-D weights) convert when their matrices are multiples of 16;
+their FLOPs count the tokens routed to them. Other modules with matrix weights are reported as GEMMs
 left in high precision, so the report's FP8 share of GEMM FLOPs is honest.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from hf_fp8.experts import experts_problem, is_experts
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.norms import norm_kind
 from hf_fp8.recipe import Fp8Recipe
@@ -47,6 +54,8 @@ class ModelContext:
     output_head: nn.Module | None
     num_experts: int | None
     experts_per_token: int | None
+    # Linear layers whose weights their parent reads directly (nn.MultiheadAttention's out_proj).
+    read_by_parent: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelContext:
@@ -64,7 +73,8 @@ class ModelContext:
             None,
         )
         top_k = getattr(config, "num_experts_per_tok", None)
-        return cls(tied, _call_or_none(model, "get_output_embeddings"), num_experts, top_k)
+        read = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+        return cls(tied, _call_or_none(model, "get_output_embeddings"), num_experts, top_k, read)
 
 
 def module_record(
@@ -80,6 +90,8 @@ def module_record(
         return _linear_record(name, module, recipe, context, is_fp8)
     if is_fp8:
         return record(name, module, "fp8", SKIPPED, ALREADY_FP8, gemm_flops=0)
+    if is_experts(module):
+        return _experts_record(name, module, recipe, context)
     norm = norm_kind(module)
     if norm is not None:
         pattern = excluded_by(name, recipe)
@@ -130,9 +142,15 @@ def _linear_record(
 
     if is_fp8:
         return result(SKIPPED, ALREADY_FP8)
-    if type(module) not in (nn.Linear, Conv1D):
-        base = "Conv1D" if isinstance(module, Conv1D) else "nn.Linear"
-        return result(SKIPPED, f"subclass of {base} with its own behaviour: not converted")
+    base = "Conv1D" if isinstance(module, Conv1D) else "nn.Linear"
+    if id(module) in context.read_by_parent:
+        return result(SKIPPED, f"subclass of {base} whose weights its parent reads directly: not converted")
+    if type(module) not in (nn.Linear, Conv1D) and not _computes_linear(
+        type(module), module.bias is not None
+    ):
+        return result(
+            SKIPPED, f"subclass of {base} that does not compute x @ W.T + b (probed): not converted"
+        )
     if _is_adapter(name):
         return result(SKIPPED, "PEFT adapter weight: adapters train in high precision")
     pattern = excluded_by(name, recipe)
@@ -155,6 +173,50 @@ def _linear_record(
     return result(CONVERTED)
 
 
+def _experts_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: ModelContext) -> ModuleRecord:
+    """MoE experts stored as 3-D weights: their GEMM FLOPs count the tokens each expert is routed
+    (top-k of all experts), not the parameters stored."""
+    params = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 3)
+    num_experts = getattr(module, "num_experts", None) or context.num_experts or 1
+    flops = params * (context.experts_per_token or 1) // num_experts
+
+    def result(action: str, reason: str = "") -> ModuleRecord:
+        return record(name, module, "experts", action, reason, flops)
+
+    pattern = excluded_by(name, recipe)
+    if pattern is not None:
+        return result(SKIPPED, f"matches modules_to_not_convert pattern {pattern!r}")
+    problem = experts_problem(module)
+    if problem is not None:
+        return result(SKIPPED, problem)
+    if not recipe.enabled:
+        return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
+    return result(CONVERTED)
+
+
+@functools.cache
+def _computes_linear(cls: type, bias: bool) -> bool:
+    """Whether a subclass of ``nn.Linear`` (or ``Conv1D``) computes what its base does, ``x @ W.T + b``
+    (Falcon's ``FalconLinear`` adds its bias separately, for one): checked on a small probe instance built
+    like the base class; a class that cannot be built so, or computes anything else, does not."""
+    try:
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(0)
+            if issubclass(cls, Conv1D):
+                probe, weight_t = cls(16, 32), True  # Conv1D(nf=out, nx=in): weight stored (in, out)
+            else:
+                probe, weight_t = cls(32, 16, bias=bias), False
+            probe.weight.copy_(torch.randn(probe.weight.shape, generator=generator))
+            if probe.bias is not None:
+                probe.bias.copy_(torch.randn(probe.bias.shape, generator=generator))
+            x = torch.randn(3, 32, generator=generator)
+            weight = probe.weight.t() if weight_t else probe.weight
+            expected = torch.nn.functional.linear(x, weight, probe.bias)
+            return torch.allclose(probe(x), expected, rtol=1e-5, atol=1e-5)
+    except Exception:  # a constructor or forward unlike the base class's
+        return False
+
+
 def _other_weights_record(name: str, module: nn.Module, weights: list, context: ModelContext) -> ModuleRecord:
     """A module owning matrix weights that is neither a linear layer nor a norm (MoE experts, routers)."""
     params = sum(p.numel() for p in weights)
@@ -164,7 +226,9 @@ def _other_weights_record(name: str, module: nn.Module, weights: list, context: 
     num_experts = getattr(module, "num_experts", None) or context.num_experts
     if num_experts and context.experts_per_token and any(p.dim() == 3 for p in weights):
         flops = params * context.experts_per_token // num_experts
-        reason = "MoE experts stored as 3-D weights (grouped GEMM): no FP8 kernel yet, kept in high precision"
+        reason = (
+            f"{class_name}: 3-D expert weights outside transformers' experts layout, kept in high precision"
+        )
     else:
         flops = params
         reason = (

@@ -250,10 +250,10 @@ CASES: list[tuple[str, Callable[[World], Any], type[BaseException], str]] = [
         r"amax_group must be a torch.distributed ProcessGroup",
     ),
     (
-        "patch-block-native",
-        lambda w: hf_fp8.patch_model(w.plain, Fp8Recipe(scaling="block"), backend="native"),
+        "patch-block-hybrid",
+        lambda w: hf_fp8.patch_model(w.plain, {"scaling": "block"}),
         ValueError,
-        r"needs Transformer Engine",
+        r"scaling 'block' runs every GEMM operand in E4M3.*format: e4m3",
     ),
     ("unpatch-none", lambda w: hf_fp8.unpatch_model(None), TypeError, r"unpatch_model needs a model"),
     ("plan-string", lambda w: hf_fp8.plan_patch("llama"), TypeError, r"plan_patch needs a model"),

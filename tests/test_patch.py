@@ -12,13 +12,14 @@ from transformers.pytorch_utils import Conv1D
 
 import hf_fp8
 from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8PaddingCollator, Fp8Recipe, is_patched, patch_model, unpatch_model
+from hf_fp8.experts import Fp8Experts
 from hf_fp8.padding import pad_batch
 from hf_fp8.patch_state import get_state
 
 OUTPUT_HEAD = "output head (set convert_lm_head: true to convert)"
 TIED = "weight tied to the input embeddings (set convert_lm_head: true to convert)"
 ROUTER = "MoE router: routing stays in high precision"
-EXPERTS = "MoE experts stored as 3-D weights (grouped GEMM): no FP8 kernel yet, kept in high precision"
+
 DIMS_64_1 = "in_features=64, out_features=1: FP8 GEMMs need multiples of 16"
 
 # What each architecture implies (2 layers each): converted GEMMs, skipped GEMMs by reason, norms by kind.
@@ -39,10 +40,10 @@ EXPECTED = {
     "bert": (13, {}, {"layernorm": 5}),
     # encoder: 4 attention + 2 FF per layer; decoder: 4 self + 4 cross + 2 FF per layer
     "t5": (32, {TIED: 1}, {"rmsnorm": 12}),
-    # attention only: experts are 3-D parameters and routers are not nn.Linear in transformers 5
-    "mixtral": (8, {OUTPUT_HEAD: 1, ROUTER: 2, EXPERTS: 2}, {"rmsnorm": 5}),
-    # attention and the shared expert's MLP; its 1-output gate is too small
-    "qwen2_moe": (14, {OUTPUT_HEAD: 1, ROUTER: 2, EXPERTS: 2, DIMS_64_1: 2}, {"rmsnorm": 5}),
+    # attention and the experts (3-D weights, one module a layer); routers are not nn.Linear in transformers 5
+    "mixtral": (10, {OUTPUT_HEAD: 1, ROUTER: 2}, {"rmsnorm": 5}),
+    # attention, the experts and the shared expert's MLP; its 1-output gate is too small
+    "qwen2_moe": (16, {OUTPUT_HEAD: 1, ROUTER: 2, DIMS_64_1: 2}, {"rmsnorm": 5}),
 }
 
 
@@ -64,7 +65,7 @@ def test_converted_and_skipped_counts(arch):
     model = tm.build(arch)
     report = patch_model(model)
     assert counts(report) == EXPECTED[arch]
-    fp8_modules = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Conv1D))]
+    fp8_modules = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Conv1D, Fp8Experts))]
     assert len(fp8_modules) == len(report.converted)
     if arch == "gpt2":
         assert all(isinstance(m, Fp8Conv1D) and isinstance(m, Conv1D) for m in fp8_modules)
@@ -83,7 +84,11 @@ def test_forward_and_backward_match_unpatched_within_fp8_tolerance(arch):
     with ScaledMmCalls() as mm:
         loss = tm.loss_of(arch, model(**batch))
         loss.backward()
-    assert len(mm.calls) == 3 * EXPECTED[arch][0], "three FP8 GEMMs per converted layer"
+    linear = sum(isinstance(m, (Fp8Linear, Fp8Conv1D)) for m in model.modules())
+    experts = sum(isinstance(m, Fp8Experts) for m in model.modules())
+    assert len(mm.calls) >= 3 * EXPECTED[arch][0], "three FP8 GEMMs per converted layer"
+    if not experts:
+        assert len(mm.calls) == 3 * linear  # experts add three per projection and expert that got tokens
     ref_loss = tm.loss_of(arch, reference(**batch))
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 2e-3 * abs(ref_loss.item())
@@ -270,7 +275,30 @@ def test_linear_subclasses_are_not_converted():
     report = patch_model(model)
     assert type(model[0]) is Scaled and type(model[2]) is Fp8Linear
     reasons = {r.name: r.reason for r in report.skipped}
-    assert reasons["0"].startswith("subclass of nn.Linear") and reasons["1.out_proj"].startswith("subclass")
+    assert reasons["0"] == "subclass of nn.Linear that does not compute x @ W.T + b (probed): not converted"
+    assert (
+        reasons["1.out_proj"]
+        == "subclass of nn.Linear whose weights its parent reads directly: not converted"
+    )
+
+
+def test_a_linear_subclass_that_computes_a_linear_layer_converts_and_comes_back():
+    """Falcon's FalconLinear adds its bias outside F.linear: the same function, so it converts (a probe
+    says so); unpatching gives the FalconLinear objects back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256, bias=True
+    )
+    model = AutoModelForCausalLM.from_config(config).train()
+    originals = {n: m for n, m in model.named_modules() if type(m).__name__ == "FalconLinear"}
+    report = patch_model(model)
+    assert len(originals) == 8 and {r.name for r in report.converted} == set(originals)
+    assert all(isinstance(model.get_submodule(n), Fp8Linear) for n in originals)
+    batch = tm.batch_for("llama", 16)
+    model(**batch).loss.backward()
+    unpatch_model(model)
+    assert all(model.get_submodule(n) is m for n, m in originals.items())
 
 
 def test_fp8_weights_on_the_native_backend_stores_frozen_weights_and_says_so():
@@ -287,7 +315,8 @@ def test_calls_that_change_nothing_do_not_check_the_backend():
     report = patch_model(model, Fp8Recipe(enabled=False), backend="te")  # no TE needed to do nothing
     assert report.converted == []
     patch_model(model)
-    assert patch_model(model, Fp8Recipe(scaling="block")).converted == []
+    with pytest.warns(UserWarning, match="already patched; another recipe"):
+        assert patch_model(model, Fp8Recipe(scaling="block", format="e4m3")).converted == []
 
 
 def test_use_during_eval_runs_fp8_in_eval():
@@ -508,13 +537,16 @@ def test_report_table_and_dict():
     model = tm.build("mixtral")
     report = patch_model(model)
     text = str(report)
-    assert "FP8 GEMM layers: 8 of 13" in text
-    assert "model.layers.*.self_attn.q_proj" in text and "MoE experts" in text
+    assert "FP8 GEMM layers: 10 of 13" in text
+    assert "model.layers.*.self_attn.q_proj" in text and "model.layers.*.mlp.experts" in text
     data = report.to_dict()
-    assert data["converted"] == 8 and data["skipped"] == 5 and data["kept"] == 5
+    assert data["converted"] == 10 and data["skipped"] == 3 and data["kept"] == 5
     assert data["recipe"]["format"] == "hybrid" and len(data["modules"]) == 18
-    # Experts carry most of a Mixtral's FLOPs: the share must show it.
-    assert report.fp8_flop_share < 0.5
+    # The experts count by the tokens routed to them (top-2 of 4: half their parameters a token), and
+    # the output head of this tiny config is a large share: FP8 carries 87.9% of the GEMM FLOPs.
+    experts = [r for r in report.records if r.kind == "experts"]
+    assert all(r.gemm_flops == r.params // 2 for r in experts)
+    assert report.fp8_flop_share == pytest.approx(0.879, abs=1e-3)
 
 
 def test_bad_backend_is_a_clear_error():

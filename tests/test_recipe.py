@@ -44,7 +44,7 @@ def test_recipe_is_frozen_and_replace_validates():
     [
         ("enabled", False, "yes", "true or false"),
         ("format", "E4M3", "fp16", r"one of \['hybrid', 'e4m3', 'e5m2'\]"),
-        ("scaling", "current", "per-row", r"one of \['delayed', 'current', 'block'\]"),
+        ("scaling", "current", "per-row", r"one of \['delayed', 'current', 'rowwise', 'rowwise_gw_hp', 'b"),
         ("margin", 2, -1, "integer from 0 to 8"),
         ("margin", 1, 0.5, "integer from 0 to 8"),
         ("margin", 8, 9, "integer from 0 to 8, got 9; each step of margin gives up one binade"),
@@ -210,7 +210,19 @@ def test_from_env_errors_name_the_variable():
 
 def test_named_recipes_match_shipped_yaml_files():
     files = {p.stem: p for p in (REPO / "recipes").glob("*.yaml")}
-    assert set(files) == set(RECIPES) == {"hybrid-delayed", "current-scaling", "conservative", "lora-fp8"}
+    assert (
+        set(files)
+        == set(RECIPES)
+        == {
+            "hybrid-delayed",
+            "current-scaling",
+            "conservative",
+            "lora-fp8",
+            "rowwise",
+            "rowwise-gw-hp",
+            "block",
+        }
+    )
     for name, path in files.items():
         assert Fp8Recipe.from_yaml(path) == Fp8Recipe.named(name), name
     assert Fp8Recipe.named("conservative").margin == 1

@@ -55,6 +55,11 @@ class Fp8Backend(ABC):
     name: ClassVar[str]
     # Why norms stay in high precision with this backend; None when it converts them (convert_norm).
     keeps_norms: ClassVar[str | None] = "norm: not a GEMM; this backend keeps norms in high precision"
+    # Why MoE experts (transformers' 3-D experts layout) stay in high precision with this backend; None
+    # when it converts them (convert_experts).
+    keeps_experts: ClassVar[str | None] = (
+        "MoE experts: this backend has no FP8 path for them, kept in high precision"
+    )
     # Whether its FP8 modules run under torch.compile (hf_fp8.compile refuses backends that do not).
     compiles: ClassVar[bool] = True
     # Why activation checkpointing does not work with this backend (None: it does).
@@ -104,6 +109,11 @@ class Fp8Backend(ABC):
     def convert_norm(self, module: nn.Module, kind: str) -> tuple[nn.Module | None, str]:
         """The replacement for a norm of ``kind`` (or ``None`` when there is none) and the report's
         reason; asked only of backends whose ``keeps_norms`` is ``None``."""
+        raise NotImplementedError
+
+    def convert_experts(self, module: nn.Module) -> nn.Module:
+        """The FP8 module for an experts module; asked only of backends whose ``keeps_experts`` is
+        ``None``."""
         raise NotImplementedError
 
     def fuse(self, name: str, block: nn.Module) -> FusedBlock | None:

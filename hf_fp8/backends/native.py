@@ -1,9 +1,10 @@
 """The native backend: PyTorch's own FP8 (``torch.float8_*``, ``torch._scaled_mm``), on the CPU and GPU.
 
 ``nn.Linear`` and transformers' ``Conv1D`` become :class:`~hf_fp8.linear.Fp8Linear` /
-:class:`~hf_fp8.linear.Fp8Conv1D`, sharing the original parameters (same objects: optimizers, tied
-weights and ``state_dict`` keys are untouched). Norms stay as they are. A step ends with one amax
-all-reduce over the data-parallel group and a batched scale update (:mod:`hf_fp8.scaling`).
+:class:`~hf_fp8.linear.Fp8Conv1D`, MoE experts modules :class:`~hf_fp8.experts.Fp8Experts`, all
+sharing the original parameters (same objects: optimizers, tied weights and ``state_dict`` keys are
+untouched). Norms stay as they are. A step ends with one amax all-reduce over the data-parallel group
+and a batched scale update (:mod:`hf_fp8.scaling`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.distributed import default_amax_group, sync_amaxes
-from hf_fp8.linear import STATE_BUFFERS, Fp8Conv1D, Fp8Linear, Fp8Module, refresh_stored_scales
+from hf_fp8.experts import Fp8Experts
+from hf_fp8.linear import Fp8Conv1D, Fp8Linear
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
-from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, advance_steps
+from hf_fp8.scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
+from hf_fp8.scaling import advance_steps
 from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
@@ -32,14 +35,15 @@ __all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
 class NativeBackend(Fp8Backend):
     name = "native"
     keeps_norms = "norm: not a GEMM; the native backend keeps norms in high precision"
+    keeps_experts = None
     movable = True
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         super().__init__(recipe)
-        self.layers: list[Fp8Module] = []
+        self.layers: list[Fp8Scaled] = []
         self.names: list[str] = []
-        # fp8_weights: FP8 layers whose weight is not stored in FP8 yet (it is not while it trains).
-        self.unquantized: list[Fp8Module] = []
+        # fp8_weights: FP8 modules whose weights are not stored in FP8 yet (they are not while they train).
+        self.unquantized: list[Fp8Scaled] = []
         self.watch = NonFiniteWatch()
 
     @classmethod
@@ -47,42 +51,45 @@ class NativeBackend(Fp8Backend):
         return True, "PyTorch FP8 runs on any device"
 
     @classmethod
-    def check(cls, recipe: Fp8Recipe) -> None:
-        if recipe.scaling == "block":
-            raise ValueError(
-                "scaling 'block' (Float8BlockScaling) needs Transformer Engine: use backend='te'"
-            )
-
-    @classmethod
     def owns(cls, module: nn.Module) -> bool:
-        return isinstance(module, Fp8Module)
+        return isinstance(module, Fp8Scaled)
 
     @classmethod
     def layer_scaling(cls, name: str, module: nn.Module) -> LayerScaling | None:
-        return module.scaling_state(name) if isinstance(module, Fp8Module) else None
+        return module.scaling_state(name) if isinstance(module, Fp8Scaled) else None
 
     @classmethod
     def to_plain(cls, module: nn.Module) -> nn.Module | None:
-        return module.to_float() if isinstance(module, Fp8Module) else None
+        return module.to_float() if isinstance(module, Fp8Scaled) else None
 
     def convert_linear(self, module: nn.Module) -> nn.Module:
         if isinstance(module, Conv1D):
             return Fp8Conv1D.from_float(module, self.recipe)
         return Fp8Linear.from_float(module, self.recipe)
 
+    def convert_experts(self, module: nn.Module) -> nn.Module:
+        return Fp8Experts.from_float(module, self.recipe)
+
     def attach(
         self, model: nn.Module, replaced: list[Replaced], report: PatchReport
     ) -> list[RemovableHandle]:
-        named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Module)]
+        named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         _keep_fp8_state_out_of_ddp_broadcast(model)
+        if self.recipe.scaling not in ("delayed", "current") and any(
+            isinstance(m, Fp8Experts) for m in self.layers
+        ):
+            report.notes.append(
+                f"MoE experts scale each of their tensors as a whole (current scaling) under scaling "
+                f"{self.recipe.scaling!r}; their linear layers follow the recipe"
+            )
         if self.recipe.fp8_weights:
             # A weight another module also uses (tied embeddings) must keep its dtype for that module.
             shared = {
-                id(p) for m in model.modules() if not isinstance(m, Fp8Module) for p in m.parameters(False)
+                id(p) for m in model.modules() if not isinstance(m, Fp8Scaled) for p in m.parameters(False)
             }
-            tied = [m for m in self.layers if id(m.weight) in shared]
-            self.unquantized = [m for m in self.layers if id(m.weight) not in shared]
+            tied = [m for m in self.layers if any(id(w) in shared for w in _weights(m))]
+            self.unquantized = [m for m in self.layers if m not in tied]
             self.before_forward(model)
             report.notes.append(
                 "fp8_weights: frozen weights are stored in FP8 (now, or at the first forward after they are "
@@ -103,13 +110,14 @@ class NativeBackend(Fp8Backend):
         """Store the weights that are frozen by now in FP8 (``fp8_weights``)."""
         if not self.unquantized:
             return
-        for module in [m for m in self.unquantized if not m.weight.requires_grad]:
-            module.quantize_weight_()
+        for module in [m for m in self.unquantized if not any(w.requires_grad for w in _weights(m))]:
+            module.store_weights_in_fp8()
             self.unquantized.remove(module)
 
     def end_step(self, group: Any) -> None:
-        self.watch.poll(self.names)
-        self.watch.submit(end_native_step(self.layers, group))
+        self.watch.poll()
+        named = [(n, m) for n, m in zip(self.names, self.layers, strict=True) if not m.amax_history.is_meta]
+        self.watch.submit(end_native_step([m for _, m in named], group), named)
 
     def calibrated(self) -> bool:
         return all(m.scale_checks_left == 0 or m.recipe.scaling != "delayed" for m in self.layers)
@@ -120,7 +128,7 @@ class NativeBackend(Fp8Backend):
             module.recipe = recipe
 
     def state_restored(self, model: nn.Module) -> None:
-        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Module)], all_layers=True)
+        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Scaled)], all_modules=True)
         self.watch.clear()  # what the restored state replaced is no longer news
 
 
@@ -132,32 +140,38 @@ class NonFiniteWatch:
     does; a loop without it gets this warning, and the history forgets the value after one step."""
 
     def __init__(self) -> None:
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, int] | None = None
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, int, list] | None = None
         self._steps = 0
 
-    def submit(self, bad: torch.Tensor | None) -> None:
-        """Take one step's (layer, role) flags (``True``: a non-finite newest amax)."""
+    def submit(self, bad: torch.Tensor | None, layers: list[tuple[str, Fp8Scaled]]) -> None:
+        """Take one step's flags for the named ``layers``, layer by layer and role by role (``True``: a
+        non-finite newest amax)."""
         self._steps += 1
         if bad is None:
             return
         if bad.is_cuda:
             event = torch.cuda.Event()
-            self._pending = (bad.to("cpu", non_blocking=True), event, self._steps)
+            self._pending = (bad.to("cpu", non_blocking=True), event, self._steps, layers)
             event.record()
         else:
-            self._pending = (bad, None, self._steps)
+            self._pending = (bad, None, self._steps, layers)
 
-    def poll(self, names: list[str]) -> None:
+    def poll(self) -> None:
         """Warn about the flags submitted last, if the GPU is done with them."""
         if self._pending is None:
             return
-        flags, event, step = self._pending
+        flags, event, step, layers = self._pending
         if event is not None and not event.query():
             return
         self._pending = None
-        rows = flags.tolist()
-        forward = [name for name, row in zip(names, rows, strict=False) if row[INPUT] or row[WEIGHT]]
-        backward = [name for name, row in zip(names, rows, strict=False) if row[GRAD_OUTPUT]]
+        flat, forward, backward, start = flags.tolist(), [], [], 0
+        for name, layer in layers:
+            roles = flat[start : start + len(layer.ROLE_NAMES)]
+            start += len(roles)
+            if any(roles[: layer.FORWARD_ROLES]):
+                forward.append(name)
+            if any(roles[layer.FORWARD_ROLES :]):
+                backward.append(name)
         if forward or backward:
             # Where it started: the first layer whose forward saw it, else the last the backward reached.
             first = forward[0] if forward else backward[-1]
@@ -186,14 +200,14 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
     does this when the backward of each training forward has finished; call it yourself once per
     step when you use ``Fp8Linear`` without ``patch_model``.
     """
-    layers = [m for m in model.modules() if isinstance(m, Fp8Module)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Scaled)]
     end_native_step(layers, group or default_amax_group())
 
 
 @torch.no_grad()
-def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) -> torch.Tensor | None:
+def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction); returns, per
-    layer and role, whether its newest amax was non-finite (``None`` without layers).
+    layer and role in order (flat), whether its newest amax was non-finite (``None`` without layers).
 
     Layers whose recipe and state tensors (device, shape) agree are advanced together: their
     state is stacked, updated with one set of kernels and copied back, so a step's end costs a few
@@ -204,9 +218,9 @@ def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) ->
         return None
     states = [layer.scaling_state("") for layer in layers]
     sync_amaxes([role.amax_history[0] for s in states for role in s.roles.values()], group)
-    newest = torch.stack([layer.amax_history[:, 0].to(layers[0].amax_history.device) for layer in layers])
+    newest = torch.cat([layer.amax_history[:, 0].to(layers[0].amax_history.device) for layer in layers])
     bad = ~torch.isfinite(newest)
-    batches: dict[tuple, list[Fp8Module]] = {}
+    batches: dict[tuple, list[Fp8Scaled]] = {}
     for layer in layers:
         history = layer.amax_history
         batches.setdefault((layer.recipe, history.device, history.shape), []).append(layer)
@@ -216,9 +230,17 @@ def end_native_step(layers: list[Fp8Module], group: dist.ProcessGroup | None) ->
             [m.amax_history for m in batch],
             [m.scale for m in batch],
             [m.fp8_steps for m in batch],
+            batch[0].FORWARD_ROLES,
         )
     refresh_stored_scales(layers)
     return bad
+
+
+def _weights(module: Fp8Scaled) -> list[torch.Tensor]:
+    """The weights a module stores in FP8 under ``fp8_weights``."""
+    if isinstance(module, Fp8Experts):
+        return module.expert_weights()
+    return [module.weight]
 
 
 def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:

@@ -106,11 +106,12 @@ def to_te_recipe(recipe: Fp8Recipe):
         )
     if recipe.scaling == "current":
         return Float8CurrentScaling(fp8_format=fp8_format)
-    if recipe.format != "e4m3":
-        raise ValueError(
-            "scaling 'block' stores every tensor in E4M3 (1x128 / 128x128 blocks); set format: e4m3"
-        )
-    return Float8BlockScaling()
+    if recipe.scaling == "block":
+        return Float8BlockScaling()
+    raise ValueError(
+        f"scaling {recipe.scaling!r} has no Transformer Engine recipe on Hopper; use backend='native', or "
+        "scaling: block / current / delayed"
+    )
 
 
 def _is_te_module(module: nn.Module) -> bool:
@@ -132,6 +133,10 @@ class TeBackend(Fp8Backend):
 
     name = "te"
     keeps_norms = None
+    keeps_experts = (
+        "MoE experts: the Transformer Engine backend keeps them in high precision (backend='native' runs "
+        "them in FP8)"
+    )
     compiles = False
     recompute_problem = "would recompute layers outside te.autocast, in another precision"
 

@@ -1,0 +1,87 @@
+"""Time a training step of a Mixtral-shaped MoE model: BF16 experts against hf-fp8's FP8 experts.
+
+    python benchmarks/moe_bench.py --layers 2 --modes bf16-grouped,hf-fp8
+
+Mixtral-8x7B's layer shape (hidden 4096, experts of 14336, top-2 of 8, 32 heads over 8 KV heads),
+``--layers`` layers, batch 4 x 2048 by default, AdamW fused. ``bf16-grouped`` runs transformers'
+``grouped_mm`` experts implementation (one grouped BF16 GEMM per projection), ``bf16-eager`` its
+per-expert loop, ``hf-fp8`` the native backend's FP8 experts (one FP8 GEMM per expert and projection)
+with the attention projections in FP8 too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+from harness import begin_run, measure, print_table, ratio, run_all, training_flops
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import hf_fp8
+
+MODES = ("bf16-eager", "bf16-grouped", "hf-fp8")
+
+
+def build(layers: int, experts_implementation: str) -> MixtralForCausalLM:
+    config = MixtralConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    )
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = experts_implementation
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return MixtralForCausalLM(config).to(torch.bfloat16).train()
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    model = build(args.layers, "grouped_mm" if mode == "bf16-grouped" else "eager")
+    flops = training_flops(model, args.batch, args.seq)  # the experts' share counts all 8: an upper bound
+    if mode == "hf-fp8":
+        hf_fp8.patch_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    result = measure(model, optimizer, contextlib.nullcontext, args, flops)
+    return {"mode": mode, "shape": f"mixtral-{args.layers}l", **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    args.shape = f"mixtral-{args.layers}l"
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(set(modes) - set(MODES))}; choose from {list(MODES)}")
+    begin_run(args, modes)
+    results = run_all(modes, run_mode, args)
+
+    def cells(r: dict, base: dict | None) -> list[str]:
+        return [
+            f"{r['tokens_per_s']:,.0f}",
+            ratio(r, base, "tokens_per_s"),
+            f"{r['ms_per_step']:.1f}",
+            f"{r['peak_gib']:.1f}",
+        ]
+
+    print_table(results, "bf16-grouped", ["tokens/s", "vs bf16-grouped", "ms/step", "peak GiB"], cells)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

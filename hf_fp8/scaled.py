@@ -1,0 +1,124 @@
+"""``Fp8Scaled``: the scaling state every native FP8 module keeps, and how it is kept.
+
+Per tensor role (a linear layer has three: input, weight, grad_output; an experts module six) the module
+keeps an amax history and a scale as non-persistent buffers (never in ``state_dict``, so HF checkpoints
+load unchanged), and a step counter. See :mod:`hf_fp8.scaling` for how they are used and updated. The
+module owns its state: it says which tensors it is (``scaling_state``), keeps them float32 whatever
+the model is cast to, and knows which roles already have a stored scale.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hf_fp8.autocast import fp8_active
+from hf_fp8.recipe import Fp8Recipe
+from hf_fp8.scaling_state import CastObserver, LayerScaling, RoleScaling
+
+__all__ = ["STATE_BUFFERS", "Fp8Scaled", "refresh_stored_scales"]
+
+# The buffers of a module's scaling state, as they are named in the module and in checkpoints.
+STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
+
+# Steps at whose end a module reads back which of its roles have a stored scale (after that, a role
+# first seen later keeps scaling by its own amax: correct, if slower).
+_SCALE_CHECKS = 1
+
+
+class Fp8Scaled(nn.Module):
+    """The scaling state of a native FP8 module. Subclasses name their roles, forward ones first."""
+
+    ROLE_NAMES: ClassVar[tuple[str, ...]]
+    FORWARD_ROLES: ClassVar[int]  # the first FORWARD_ROLES roles are quantized by the forward
+    recipe: Fp8Recipe
+
+    def init_fp8_state(self, recipe: Fp8Recipe | None, device: torch.device) -> None:
+        """Zeroed scaling state on ``device`` for ``recipe`` (default: the default recipe)."""
+        self.recipe = recipe or Fp8Recipe()
+        self._cast_observer: CastObserver | None = None
+        roles = len(self.ROLE_NAMES)
+        history = torch.zeros(roles, self.recipe.amax_history_len, device=device)
+        self.register_buffer("amax_history", history, persistent=False)
+        self.register_buffer("scale", torch.zeros(roles, device=device), persistent=False)
+        self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # Per role, whether its stored scale comes from a history (see hf_fp8.scaling): a Python flag,
+        # so that compiled code has no branch on tensor values. Read back from the scales at the end
+        # of the module's first step and whenever the state is loaded: see refresh_stored_scales.
+        self.stored_scales: tuple[bool, ...] = (False,) * roles
+        self.scale_checks_left = _SCALE_CHECKS
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
+        (``.half()``, ``.to(torch.bfloat16)``) do not: amaxes and scales stay float32, where gradient
+        scales of 1e7 and more fit (float16 would turn them into inf)."""
+        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, tensor in state.items():
+                moved = fn(tensor)
+                self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+        return self
+
+    def scaling_state(self, name: str) -> LayerScaling:
+        """This module's scaling state (live tensors) by role, and by checkpoint key."""
+        roles = {
+            role: RoleScaling("fwd" if i < self.FORWARD_ROLES else "bwd", self.amax_history[i], self.scale[i])
+            for i, role in enumerate(self.ROLE_NAMES)
+        }
+        return LayerScaling(name, self, roles, {b: getattr(self, b) for b in STATE_BUFFERS})
+
+    def observe_casts(self, observer: CastObserver | None) -> None:
+        """Have ``observer`` see every cast of the next training forwards and backwards (``None``: stop)."""
+        self._cast_observer = observer
+
+    @property
+    def cast_observer(self) -> CastObserver | None:
+        return self._cast_observer
+
+    def remember_float_module(self, source: nn.Module) -> None:
+        """Keep the module this one was made from (sharing its parameters), to give it back on undo; kept
+        outside the submodules, so that it is not in ``state_dict`` twice."""
+        object.__setattr__(self, "_float_module", source)
+
+    @property
+    def float_module(self) -> nn.Module | None:
+        return getattr(self, "_float_module", None)
+
+    def store_weights_in_fp8(self) -> None:
+        """Store the module's frozen weights in FP8 (the recipe's ``fp8_weights``)."""
+        raise NotImplementedError
+
+    def to_float(self) -> nn.Module:
+        """The plain module this one stands for, with the same parameters."""
+        raise NotImplementedError
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
+        return fp8_active(self.training, self.recipe.use_during_eval)
+
+    def stored_scale_roles(self) -> tuple[bool, ...]:
+        """Per role, whether this step's casts use the stored scale (delayed scaling with a history)."""
+        if self.recipe.scaling != "delayed":
+            return (False,) * len(self.ROLE_NAMES)
+        return self.stored_scales
+
+
+@torch.no_grad()
+def refresh_stored_scales(modules: list[Fp8Scaled], all_modules: bool = False) -> None:
+    """Read back, in one transfer, which roles of ``modules`` have a stored scale (a scale > 0), for
+    those still in their first steps, or for all of them with ``all_modules`` (a loaded state)."""
+    due = [m for m in modules if all_modules or m.scale_checks_left > 0]
+    if not due:
+        return
+    flags = torch.cat([m.scale.detach().cpu() for m in due]).gt(0).tolist()
+    start = 0
+    for module in due:
+        roles = len(module.ROLE_NAMES)
+        module.stored_scales = tuple(flags[start : start + roles])
+        module.scale_checks_left = max(module.scale_checks_left - 1, 0)
+        start += roles
