@@ -169,15 +169,8 @@ def _fp8_experts_forward(
     rows = hidden_states[order // top_k]
     counts = tuple(torch.bincount(expert_ids, minlength=module.num_experts).tolist())
     sorted_ids = expert_ids[order]
-    out_dtype = _out_dtype(hidden_states)
     record = module.training and torch.is_grad_enabled()
-    config = GemmConfig(
-        forward_format=module.recipe.forward_format,
-        backward_format=module.recipe.backward_format,
-        stored_scales=module.stored_scale_roles(),
-        margin=module.recipe.margin,
-        out_dtype=out_dtype,
-    )
+    config = module.gemm_config(hidden_states)
 
     def project(x: torch.Tensor, name: str, roles: tuple[int, int, int]) -> torch.Tensor:
         weight = getattr(module, name)
@@ -199,11 +192,6 @@ def _fp8_experts_forward(
     weighted = down * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
     restored = torch.zeros_like(weighted).index_copy(0, order, weighted)
     return restored.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 class _GroupedFp8Linear(torch.autograd.Function):

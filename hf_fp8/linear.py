@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.blockwise import block_linear
 from hf_fp8.formats import FP8_ALIGNMENT
-from hf_fp8.gemm import GemmConfig, fp8_linear
+from hf_fp8.gemm import fp8_linear
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.rowwise import rowwise_linear
 from hf_fp8.scaled import Fp8Scaled
@@ -120,17 +120,7 @@ class Fp8Module(Fp8Scaled):
         weight = weight.t() if transposed else weight
         weight_scale = self.weight._scale if stored else None
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            out_dtype = torch.get_autocast_dtype(device_type)
-        else:
-            out_dtype = x.dtype
-        config = GemmConfig(
-            forward_format=self.recipe.forward_format,
-            backward_format=self.recipe.backward_format,
-            stored_scales=self.stored_scale_roles(),
-            margin=self.recipe.margin,
-            out_dtype=out_dtype,
-        )
+        config = self.gemm_config(x)
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_fp8.autocast import fp8_active
+from hf_fp8.gemm import GemmConfig
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaling_state import CastObserver, LayerScaling, RoleScaling
 
@@ -100,6 +101,19 @@ class Fp8Scaled(nn.Module):
     def fp8_enabled(self) -> bool:
         """Whether the next forward runs in FP8 (training mode, or eval with ``use_during_eval``)."""
         return fp8_active(self.training, self.recipe.use_during_eval)
+
+    def gemm_config(self, x: torch.Tensor) -> GemmConfig:
+        """What this module's FP8 GEMMs on input ``x`` need besides tensors: the recipe's formats and
+        margin, which roles cast with their stored scale, and the output dtype (autocast's, if on)."""
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        return GemmConfig(
+            forward_format=self.recipe.forward_format,
+            backward_format=self.recipe.backward_format,
+            stored_scales=self.stored_scale_roles(),
+            margin=self.recipe.margin,
+            out_dtype=torch.get_autocast_dtype(device_type) if autocast else x.dtype,
+        )
 
     def stored_scale_roles(self) -> tuple[bool, ...]:
         """Per role, whether this step's casts use the stored scale (delayed scaling with a history)."""

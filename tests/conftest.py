@@ -58,3 +58,14 @@ def matmul_error_bound(a: torch.Tensor, da: torch.Tensor, b: torch.Tensor, db: t
     """Bound on |(a + ea) @ (b + eb) - a @ b| given |ea| <= da and |eb| <= db, elementwise."""
     a, b = a.double().abs(), b.double().abs()
     return a @ db + da @ b + da @ db
+
+
+def assert_fp8_gradients_match(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """The FP8 tolerance every architecture is held to: E5M2 gradients (two mantissa bits, a unit
+    roundoff of 1/8 per value) give the whole gradient within 25% relative error, pointing the same
+    way (cosine > 0.97)."""
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    ref_grads = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None])
+    error = ((grads.double() - ref_grads.double()).norm() / ref_grads.double().norm()).item()
+    assert error < 0.25, error
+    assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0) > 0.97
