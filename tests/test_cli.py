@@ -129,6 +129,18 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, expected):
     assert_one_line_error(result, expected)
 
 
+def test_python_m_demo_reports_bad_options_as_hf_fp8_demo_does():
+    for args in (("--seq-len", "1"), ("--device", "tpu")):
+        result = subprocess.run(
+            [sys.executable, "-m", "hf_fp8.demo", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert_one_line_error(result, "demo:", args[0])
+
+
 def test_a_recipe_file_with_a_bad_value_names_the_file(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("fp8_margin: lots\n")

@@ -85,6 +85,24 @@ def test_lora_example_saves_an_adapter_and_merges_it(tmp_path):
 
 
 @needs_demo_data
+def test_trainer_example_runs_a_single_step(tmp_path):
+    out = ok(
+        example(
+            "trainer_finetune.py",
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path),
+        )
+    )
+    assert "FP8 telemetry logged at step 1" in out
+
+
+@needs_demo_data
 def test_trainer_example_resumes_exactly(tmp_path):
     out = ok(example("trainer_finetune.py", *TINY, "--out", str(tmp_path / "run"), "--resume-check"))
     assert "fp8/scale_fwd_max" in out and "(identical)" in out
