@@ -55,11 +55,11 @@ def run(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> None:
     assert codes == [0] * len(codes), log.read_text()[-3000:]
 
 
-def ranks(world: int) -> list[tuple[list[str], dict[str, str]]]:
+def ranks(world: int, worker: Path = WORKER) -> list[tuple[list[str], dict[str, str]]]:
     """What torchrun --nproc_per_node WORLD starts: one worker per rank with its rendezvous variables."""
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     return [
-        ([sys.executable, str(WORKER)], {**rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
+        ([sys.executable, str(worker)], {**rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(world)
     ]
 

@@ -1,0 +1,98 @@
+"""A worker of tests/test_fsdp.py: FP8 training of a tiny Llama sharded with FSDP2 (``fully_shard`` on
+every decoder layer and the root, gloo on the CPU), or unsharded in one process as the reference.
+
+    python dist_fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume-from DIR]
+
+Every run sees the same global batches (each rank its own half). It writes, per step, the loss and
+one layer's FP8 state to OUT_DIR/rank{R}.json; ``--save-at N`` checkpoints model, optimizer and FP8
+state after step N with torch.distributed.checkpoint and ``save_fp8_state``; ``--resume-from`` starts
+from such a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+from pathlib import Path
+
+import tiny_models as tm
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import hf_fp8
+
+GLOBAL_BATCH = 4
+LENGTH = 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--save-at", type=int)
+    parser.add_argument("--resume-from")
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
+    sharded = "RANK" in os.environ
+    if sharded:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+
+    model = tm.build("llama")
+    hf_fp8.patch_model(model)  # before sharding
+    if sharded:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = 0
+    if args.resume_from:
+        folder = Path(args.resume_from)
+        state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        hf_fp8.load_fp8_state(model, folder)
+        start = json.loads((folder / "step.json").read_text())["step"]
+
+    layer = model.model.layers[0].mlp.down_proj
+    records = []
+    per_rank = GLOBAL_BATCH // world
+    for step in range(start, args.steps):
+        ids = tm.batch_for("llama", LENGTH, batch_size=GLOBAL_BATCH, seed=100 + step)["input_ids"]
+        ids = ids[rank * per_rank : (rank + 1) * per_rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()  # the FP8 step ends when the backward has finished: amaxes reduced over the ranks
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append(
+            {
+                "step": step,
+                "loss": loss.item(),
+                "history": layer.amax_history[:, 1:3].tolist(),
+                "scale": layer.scale.tolist(),
+                "weight_is_sharded": type(layer.weight).__name__ == "DTensor",
+            }
+        )
+        if args.save_at == step + 1:
+            folder = Path(args.out) / "checkpoint"
+            state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+            dcp.save(state, checkpoint_id=str(folder / "dcp"))
+            if rank == 0:  # the FP8 state is the same on every rank: written once
+                hf_fp8.save_fp8_state(model, folder)
+                (folder / "step.json").write_text(json.dumps({"step": step + 1}))
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"world": world, "steps": records}, f)
+    if sharded:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    # Leave without the interpreter's teardown (see dist_worker.py: a rank has been seen to hang there).
+    os._exit(0)
