@@ -14,7 +14,9 @@ Modes:
   hf-fp8, hf-fp8-lmhead      hf-fp8's fast path: patch_model (native) + hf_fp8.compile; with the output
                              head in FP8 too
   hf-fp8-current             the same with current scaling
-  hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the same with the row-wise recipes
+  hf-fp8-rowwise, hf-fp8-rowwise-gw-hp, hf-fp8-block   the same with the row-wise recipes, and with
+                             block scaling (emulated in the native backend: a numerics row, not a
+                             speed one)
   native, native-compile     patch_model (native), eager; with torch.compile(model)
   torchao, torchao-rowwise   torchao float8 training (tensorwise / rowwise) + torch.compile(model)
   accelerate-te              accelerate's convert_model + te.autocast (TE's DelayedScaling)
@@ -42,6 +44,7 @@ MODES = (
     "hf-fp8-current",
     "hf-fp8-rowwise",
     "hf-fp8-rowwise-gw-hp",
+    "hf-fp8-block",
     "native",
     "native-compile",
     "torchao",
@@ -64,7 +67,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     elif mode == "bf16-regional":
         hf_fp8.compile(model)
     elif mode.startswith("hf-fp8"):
-        named = {"hf-fp8-rowwise": "rowwise", "hf-fp8-rowwise-gw-hp": "rowwise-gw-hp"}
+        named = {
+            "hf-fp8-rowwise": "rowwise",
+            "hf-fp8-rowwise-gw-hp": "rowwise-gw-hp",
+            "hf-fp8-block": "block",
+        }
         recipe = (
             hf_fp8.Fp8Recipe.named(named[mode])
             if mode in named

@@ -97,6 +97,8 @@ class Fp8Experts(Fp8Scaled):
         were stored in FP8) and this module's mode."""
         self.dequantize_weights_()
         original = self.float_module
+        for name, param in self._parameters.items():  # the current ones (load_state_dict(assign=True) ...)
+            setattr(original, name, param)
         original.train(self.training)
         return original
 

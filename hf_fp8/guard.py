@@ -142,11 +142,15 @@ class Fp8NanGuard:
         roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
         histories = [r.amax_history for layer in layers for r in layer.roles.values()]
         finite = torch.tensor(True, device=device)
-        loss_ok = torch.stack(self._losses).isfinite().all() if self._losses else finite
-        grads_ok = torch.stack(torch._foreach_norm(grads)).isfinite().all() if grads else finite
+        losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
+        loss_ok = torch.stack(losses).isfinite().all() if losses else finite
+        grad_norms = [n.to(device) for n in torch._foreach_norm(grads)] if grads else []
+        grads_ok = torch.stack(grad_norms).isfinite().all() if grads else finite
         # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
         amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
-        amaxes_ok = torch.stack(amax_max).to(device).isfinite() if histories else finite.new_empty(0)
+        amaxes_ok = (
+            torch.stack([m.to(device) for m in amax_max]).isfinite() if histories else finite.new_empty(0)
+        )
         bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
         group = default_amax_group()
         if group is not None:

@@ -13,8 +13,9 @@ high-precision tensors the forward saved (as torchao's row-wise recipes do):
 * wgrad ``dW = dy.T @ x``: ``dy`` and ``x`` per feature, over the tokens; with ``rowwise_gw_hp`` this
   GEMM stays in high precision (the weight gradient is the most sensitive of the three).
 
-All operands are E4M3 (cuBLAS's row-wise kernels take E4M3 only). The layer's amax history still
-records each tensor's amax, for telemetry and the NaN guard.
+All operands are E4M3 (cuBLAS's row-wise kernels take E4M3 only), and on the GPU the kernels write
+BF16, cast to the dtype asked for afterwards. The layer's amax history still records each tensor's
+amax, for telemetry and the NaN guard.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         fmt = config.forward_format
         x_fp8, x_scales, x_amax = cast_rows(x, fmt, config.margin)  # (tokens, 1)
         w_fp8, w_scales, w_amax = cast_rows(weight, fmt, config.margin)  # (out, 1)
-        out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scales, w_scales.t(), config.out_dtype)
+        out = _mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scales, w_scales.t(), config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
         if record:
@@ -89,7 +90,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             dy_fp8, dy_scales, dy_amax = cast_rows(dy, fmt, margin)  # per token
             w_fp8, w_scales, _ = cast_rows(weight, config.forward_format, margin, dim=0)  # per input feature
             # the right operand (out, in) column-major: W.T row-major
-            grad_x = fp8_mm(dy_fp8.contiguous(), w_fp8.t().contiguous().t(), dy_scales, w_scales, x.dtype)
+            grad_x = _mm(dy_fp8.contiguous(), w_fp8.t().contiguous().t(), dy_scales, w_scales, x.dtype)
         else:
             dy_amax = dy.detach().abs().amax().float()
         if ctx.needs_input_grad[1]:
@@ -107,6 +108,13 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         if ctx.record:
             record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, dy_amax, fmt, margin)
         return grad_x, grad_w, grad_bias, None, None, None, None, None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_mm`` with row-wise scales. On the GPU the row-wise kernels write BF16 only (CUTLASS's,
+    and cuBLAS's before 12.9): the product comes out in BF16 and is cast to ``out_dtype``."""
+    kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
+    return fp8_mm(a, b, a_scales, b_scales, kernel_dtype).to(out_dtype)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:

@@ -54,14 +54,19 @@ class Fp8Scaled(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
         (``.half()``, ``.to(torch.bfloat16)``) do not: amaxes and scales stay float32, where gradient
-        scales of 1e7 and more fit (float16 would turn them into inf)."""
+        scales of 1e7 and more fit (float16 would turn them into inf). State leaving the meta device
+        (``to_empty``) starts from zero, as a fresh module's does, not from uninitialised memory."""
         state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
         try:
             super()._apply(fn, recurse)
         finally:
             for name, tensor in state.items():
                 moved = fn(tensor)
-                self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+                if moved.dtype != tensor.dtype:
+                    moved = tensor.to(moved.device)
+                if tensor.is_meta and not moved.is_meta:
+                    moved = torch.zeros_like(moved)
+                self._buffers[name] = moved
         return self
 
     def scaling_state(self, name: str) -> LayerScaling:
@@ -123,10 +128,12 @@ class Fp8Scaled(nn.Module):
 
 
 @torch.no_grad()
-def refresh_stored_scales(modules: list[Fp8Scaled], all_modules: bool = False) -> None:
-    """Read back, in one transfer, which roles of ``modules`` have a stored scale (a scale > 0), for
-    those still in their first steps, or for all of them with ``all_modules`` (a loaded state)."""
-    due = [m for m in modules if all_modules or m.scale_checks_left > 0]
+def refresh_stored_scales(modules: list[Fp8Scaled], restored: bool = False) -> None:
+    """Read back, in one transfer, which roles of ``modules`` have a stored scale (a scale > 0): at a
+    step's end for those still in their first steps; for all of them when their state was
+    ``restored`` (a checkpoint loaded, a step rolled back), after which a module whose roles do not all
+    have a scale yet (a state from before the first step) is in its first steps again."""
+    due = [m for m in modules if restored or m.scale_checks_left > 0]
     if not due:
         return
     flags = torch.cat([m.scale.detach().cpu() for m in due]).gt(0).tolist()
@@ -134,5 +141,8 @@ def refresh_stored_scales(modules: list[Fp8Scaled], all_modules: bool = False) -
     for module in due:
         roles = len(module.ROLE_NAMES)
         module.stored_scales = tuple(flags[start : start + roles])
-        module.scale_checks_left = max(module.scale_checks_left - 1, 0)
+        if restored:
+            module.scale_checks_left = 0 if all(module.stored_scales) else _SCALE_CHECKS
+        else:
+            module.scale_checks_left = max(module.scale_checks_left - 1, 0)
         start += roles

@@ -141,6 +141,16 @@ def test_experts_scaling_state_is_checkpointed_and_synced_like_linear_layers(tmp
     assert torch.equal(experts_of(fresh)[0].amax_history, experts.amax_history)
 
 
+def test_unpatch_gives_back_the_parameters_the_experts_hold_now():
+    model = build("mixtral")
+    hf_fp8.patch_model(model)
+    experts = experts_of(model)[0]
+    replacement = torch.nn.Parameter(torch.zeros_like(experts.down_proj))
+    experts.down_proj = replacement  # as load_state_dict(assign=True) or FSDP would
+    hf_fp8.unpatch_model(model)
+    assert model.model.layers[0].mlp.experts.down_proj is replacement
+
+
 def test_model_half_keeps_the_experts_state_float32():
     model = build("olmoe")
     hf_fp8.patch_model(model)

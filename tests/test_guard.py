@@ -79,3 +79,24 @@ def test_the_guard_finds_the_patch_inside_a_peft_model():
 def test_an_unpatched_model_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="patch_model"):
         Fp8NanGuard(tm.build("llama"))
+
+
+def test_a_first_step_rolled_back_does_not_switch_delayed_scaling_off():
+    """Skipping the very first step restores a state without scales; the next step's end must read the
+    flags again, or delayed scaling would quietly run as current scaling from then on."""
+    model = tm.build("llama")
+    patch_model(model, Fp8Recipe(nan_policy="skip_step"))
+    layer = model.get_submodule(LAYER)
+    guard = Fp8NanGuard(model)
+    with pytest.warns(UserWarning, match="skipped the step"):
+        assert loop(model, guard, steps=2, poisoned_step=0, layer=layer) == [False, True]
+    assert layer.stored_scale_roles() == (True, True, True)
+
+
+def test_to_empty_starts_the_scaling_state_from_zero():
+    with torch.device("meta"):
+        model = tm.build("llama")
+    patch_model(model)
+    model.to_empty(device="cpu")
+    layer = model.get_submodule(LAYER)
+    assert not layer.amax_history.any() and not layer.scale.any() and layer.fp8_steps.item() == 0

@@ -128,7 +128,7 @@ class NativeBackend(Fp8Backend):
             module.recipe = recipe
 
     def state_restored(self, model: nn.Module) -> None:
-        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Scaled)], all_modules=True)
+        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Scaled)], restored=True)
         self.watch.clear()  # what the restored state replaced is no longer news
 
 
