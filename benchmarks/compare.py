@@ -84,7 +84,7 @@ def _print_table(results: list[dict]) -> None:
 
     def vs(r: dict, mode: str, key: str = "tokens_per_s") -> str:
         base = by_mode.get(mode)
-        return f"{r[key] / base[key]:.2f}x" if base else "-"
+        return f"{r[key] / base[key]:.2f}x" if base and base[key] else "-"
 
     titles = [
         "tokens/s",

@@ -26,6 +26,16 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
+    # a smoke test of the benchmarks themselves (--device cpu), not a measurement
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        vocab_size=256,
+    ),
     # Llama-3-8B's layer shape, 4 layers
     "8b-4l": dict(
         hidden_size=4096,
@@ -38,11 +48,11 @@ SHAPES = {
 }
 
 
-def build(shape: str) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=128256, max_position_embeddings=8192, **SHAPES[shape])
+def build(shape: str, device: str = "cuda") -> LlamaForCausalLM:
+    config = LlamaConfig(**{"vocab_size": 128256, "max_position_embeddings": 8192, **SHAPES[shape]})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     return model.train()
 
@@ -52,9 +62,8 @@ def training_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
     layer (the output head included), and the causal attention's 6 x layers x seq x width per token."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     config = model.config
-    width = config.num_attention_heads * getattr(
-        config, "head_dim", config.hidden_size // config.num_attention_heads
-    )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads * head_dim
     tokens = batch * seq
     return 6.0 * linear * tokens + 6.0 * config.num_hidden_layers * seq * width * tokens
 
@@ -65,9 +74,11 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     median step, tokens/s, model TFLOP/s (from ``flops`` per step), the peak memory of the timed
     steps, the last loss and the warm-up time (compilation included). With ``args.profile``, also
     where the GPU time of a step goes."""
-    generator = torch.Generator(device="cuda").manual_seed(0)
+    device = torch.device(getattr(args, "device", "cuda"))
+    cuda = device.type == "cuda"
+    generator = torch.Generator(device=device).manual_seed(0)
     vocab = step_model.config.vocab_size  # a compiled model forwards the attribute to its module
-    ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=generator)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=generator)
 
     def step() -> torch.Tensor:
         with forward_context():
@@ -80,28 +91,34 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     start = time.perf_counter()
     for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     warmup_s = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(args.steps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        loss = step()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            loss = step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            begin_s = time.perf_counter()
+            loss = step()
+            times.append((time.perf_counter() - begin_s) * 1e3)
         losses.append(loss.item())
     ms = statistics.median(times)
     result = {
         "ms_per_step": ms,
         "tokens_per_s": args.batch * args.seq / ms * 1e3,
         "tflops": flops / ms * 1e-9,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "loss": losses[-1],
         "warmup_s": warmup_s,
     }
-    if getattr(args, "profile", False):
+    if getattr(args, "profile", False) and cuda:
         result["gpu_ms"] = gpu_time_by_kind(step)
     return result
 
@@ -151,7 +168,8 @@ def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
         except Exception as err:  # report and go on: one broken mode must not hide the others
             result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         results.append(result)
         print(json.dumps(result), flush=True)
         if args.out:
@@ -169,9 +187,20 @@ def parse_arguments(
     parser.add_argument("--modes", default=",".join(modes))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="untimed steps (2 at least: hf_fp8.compile compiles after the first)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", help="append JSON lines here")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a smoke test of the benchmark, with --shape tiny"
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend (aot_eager: smoke test)"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="also break a step's GPU time down by kernel kind"
     )
@@ -192,9 +221,9 @@ def begin_run(args: argparse.Namespace, modes: list[str], detail: str = "") -> N
     """
     if any("te" in mode.split("-") for mode in modes):
         import transformer_engine.pytorch  # noqa: F401
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
-        f"batch {args.batch} x {args.seq}{detail}",
+        f"# {device}, torch {torch.__version__}, shape {args.shape}, batch {args.batch} x {args.seq}{detail}",
         flush=True,
     )
 
@@ -213,4 +242,4 @@ def print_table(
 
 def ratio(result: dict, base: dict | None, key: str) -> str:
     """``result[key]`` over the baseline's, or ``-`` without a baseline."""
-    return f"{result[key] / base[key]:.2f}x" if base else "-"
+    return f"{result[key] / base[key]:.2f}x" if base and base[key] else "-"

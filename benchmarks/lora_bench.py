@@ -60,7 +60,7 @@ def base_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    model = build(args.shape)
+    model = build(args.shape, args.device)
     forward_context = contextlib.nullcontext
     recipe = hf_fp8.RECIPES["lora-fp8"].replace(convert_lm_head=mode.endswith("lmhead"))
     if mode == "peft-bf16":
@@ -82,7 +82,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     elif mode.startswith("te"):
         model = lora(model)  # frozen before patching: TE creates the base weights in FP8
         hf_fp8.patch_model(model, recipe, backend="te")
-    step_model = torch.compile(model) if "compile" in mode else model
+    step_model = torch.compile(model, backend=args.compile_backend) if "compile" in mode else model
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     result = {"mode": mode, "shape": args.shape, **measure(step_model, optimizer, forward_context, args)}
     result["base_weight_gib"] = base_weight_bytes(model) / 2**30

@@ -24,14 +24,16 @@ import hf_fp8
 MODES = ("bf16-eager", "bf16-grouped", "hf-fp8")
 
 
-def build(layers: int, experts_implementation: str) -> MixtralForCausalLM:
+MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
+# a smoke test of this script (--tiny --device cpu), not a measurement
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+
+
+def build(layers: int, experts_implementation: str, tiny: bool, device: str) -> MixtralForCausalLM:
     config = MixtralConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
+        **(TINY if tiny else MIXTRAL),
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
+        num_key_value_heads=8 if not tiny else 2,
         num_local_experts=8,
         num_experts_per_tok=2,
         max_position_embeddings=4096,
@@ -39,13 +41,14 @@ def build(layers: int, experts_implementation: str) -> MixtralForCausalLM:
     config._attn_implementation = "sdpa"
     config._experts_implementation = experts_implementation
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         return MixtralForCausalLM(config).to(torch.bfloat16).train()
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    model = build(args.layers, "grouped_mm" if mode == "bf16-grouped" else "eager")
-    flops = training_flops(model, args.batch, args.seq)  # the experts' share counts all 8: an upper bound
+    model = build(args.layers, "grouped_mm" if mode == "bf16-grouped" else "eager", args.tiny, args.device)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2 // 8  # top-2 of 8
+    flops = training_flops(model, args.batch, args.seq) + 6.0 * routed * args.batch * args.seq
     if mode == "hf-fp8":
         hf_fp8.patch_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Mixtral: a smoke test of this script")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     args.shape = f"mixtral-{args.layers}l"
     modes = args.modes.split(",")

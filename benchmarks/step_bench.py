@@ -58,14 +58,15 @@ MODES = (
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     """Build, warm up and time one mode; its model and optimizer are freed when this returns."""
-    model = build(args.shape)
+    model = build(args.shape, args.device)
     flops = training_flops(model, args.batch, args.seq)
     forward_context = contextlib.nullcontext
     step_model = model
+    compile_options = {"backend": args.compile_backend}
     if mode == "bf16-compile":
-        step_model = torch.compile(model)
+        step_model = torch.compile(model, **compile_options)
     elif mode == "bf16-regional":
-        hf_fp8.compile(model)
+        hf_fp8.compile(model, **compile_options)
     elif mode.startswith("hf-fp8"):
         named = {
             "hf-fp8-rowwise": "rowwise",
@@ -81,16 +82,16 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             )
         )
         hf_fp8.patch_model(model, recipe, backend="native")
-        hf_fp8.compile(model)
+        hf_fp8.compile(model, **compile_options)
     elif mode.startswith("native"):
         hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(), backend="native")
-        step_model = torch.compile(model) if mode.endswith("compile") else model
+        step_model = torch.compile(model, **compile_options) if mode.endswith("compile") else model
     elif mode.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         recipe = "rowwise" if mode.endswith("rowwise") else "tensorwise"
         convert_to_float8_training(model.model, config=Float8LinearConfig.from_recipe_name(recipe))
-        step_model = torch.compile(model)
+        step_model = torch.compile(model, **compile_options)
     elif mode.startswith("te"):
         recipe = hf_fp8.Fp8Recipe(convert_lm_head=mode.endswith("lmhead"))
         hf_fp8.patch_model(model, recipe, backend="te", fuse=mode.startswith("te-fused"))

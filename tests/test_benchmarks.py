@@ -1,0 +1,69 @@
+"""The benchmark scripts themselves, run on the CPU with a tiny shape: a smoke test, not a
+measurement, so that a GPU session does not spend its time on a broken script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SMOKE = (
+    "--shape",
+    "tiny",
+    "--device",
+    "cpu",
+    "--compile-backend",
+    "aot_eager",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+)
+# hf_fp8.compile compiles after the first step under delayed scaling: two warm-up steps at least
+TIMING = ("--warmup", "2", "--steps", "2")
+
+
+def bench(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+        cwd=BENCHMARKS,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The last Markdown table printed, by mode."""
+    lines = out.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("| mode |"))
+    rows = [line.strip("|").split(" | ") for line in lines[header + 2 :] if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_compare_runs_each_row_in_its_own_process_and_prints_one_table():
+    rows = "bf16,bf16-compile,hf-fp8,hf-fp8-rowwise,torchao,te-fused"
+    out = bench("compare.py", "--rows", rows, *SMOKE, *TIMING)
+    table = table_rows(out)
+    assert set(table) == {"bf16", "bf16-compile", "hf-fp8", "hf-fp8-rowwise"}, out
+    assert table["bf16"][1] == "1.00x" and table["hf-fp8"][2].endswith("x")  # vs bf16, vs bf16-compile
+    assert all("error" not in " ".join(cells) for cells in table.values()), out
+    assert "torchao: left out (no --torchao-path given)" in out and "te-fused: left out" in out
+
+
+def test_lora_bench_runs():
+    out = bench("lora_bench.py", "--modes", "peft-bf16,native-compile", *SMOKE, *TIMING)
+    table = table_rows(out)
+    assert set(table) == {"peft-bf16", "native-compile"} and "error" not in out, out
+
+
+def test_moe_bench_runs():
+    out = bench(
+        "moe_bench.py", "--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--seq", "32", *TIMING
+    )
+    table = table_rows(out)
+    assert set(table) == {"bf16-eager", "bf16-grouped", "hf-fp8"} and "error" not in out, out
