@@ -25,6 +25,7 @@ from hf_fp8.patch import move_patch, patch_model
 from hf_fp8.patch_state import get_state
 from hf_fp8.recipe import RECIPES, Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
+from hf_fp8.scaled import Fp8Scaled
 from hf_fp8.step import set_recipe
 
 __all__ = ["from_pretrained_fp8", "merge_and_unload"]
@@ -100,9 +101,9 @@ def from_pretrained_fp8(
     # Patched on the host without quantizing, then quantized one layer at a time on the device.
     report = patch_model(model, recipe.replace(fp8_weights=False), backend="native")
     for module in model.modules():
-        if isinstance(module, Fp8Module):
+        if isinstance(module, Fp8Scaled):  # linear layers and MoE experts
             module.to(device)
-            module.quantize_weight_()
+            module.store_weights_in_fp8()
     set_recipe(model, recipe)
     report.notes.append(f"fp8_weights: loaded from {path} and stored in FP8 layer by layer on {device}")
     return model.to(device), report

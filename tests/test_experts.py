@@ -182,6 +182,14 @@ def test_lora_over_fp8_stored_experts_learns_like_lora_in_high_precision():
     assert tail == pytest.approx(sum(reference[-5:]) / 5, rel=0.03)
 
 
+def test_from_pretrained_fp8_stores_the_experts_in_fp8_too(tmp_path):
+    build("qwen3_moe").save_pretrained(tmp_path)
+    model, report = hf_fp8.peft.from_pretrained_fp8(tmp_path, device="cpu", dtype=torch.float32)
+    experts = experts_of(model)
+    assert len(experts) == 4 and all(m.weights_in_fp8 for m in experts)
+    assert report.fp8_flop_share >= 0.95
+
+
 def test_eval_mode_runs_the_models_own_experts_forward():
     model = build("mixtral")
     reference = copy.deepcopy(model).eval()
