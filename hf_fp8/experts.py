@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hf_fp8.formats import FP8_ALIGNMENT
-from hf_fp8.gemm import GemmConfig, fp8_mm, quantize
+from hf_fp8.gemm import GemmConfig, fp8_mm, pad_rows, quantize
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaled import Fp8Scaled
 from hf_fp8.stored_weight import Fp8StoredWeight
@@ -261,8 +261,8 @@ class _GroupedFp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=dy_fp8.device)
             for expert, (start, end) in _groups(ctx.counts):
-                dy_t = _pad_rows(dy_fp8[start:end]).t().contiguous()
-                x_col = _pad_rows(x_fp8[start:end]).t().contiguous().t()
+                dy_t = pad_rows(dy_fp8[start:end]).t().contiguous()
+                x_col = pad_rows(x_fp8[start:end]).t().contiguous().t()
                 dw = fp8_mm(dy_t, x_col, dy_scale, x_scale, ctx.weight_dtype)  # (out, in)
                 grad_w[expert] = dw.t() if ctx.transposed else dw
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
@@ -280,9 +280,4 @@ def _groups(counts: tuple[int, ...]):
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
     """``fp8_mm`` for a group of rows: padded to 16 rows for the GEMM (cuBLAS wants it), sliced back."""
     rows = a.shape[0]
-    return fp8_mm(_pad_rows(a), b, a_scale, b_scale, out_dtype)[:rows]
-
-
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    extra = -t.shape[0] % FP8_ALIGNMENT
-    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+    return fp8_mm(pad_rows(a), b, a_scale, b_scale, out_dtype)[:rows]

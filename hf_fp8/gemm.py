@@ -25,7 +25,7 @@ import torch
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
-__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "quantize"]
+__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "pad_rows", "quantize"]
 
 
 class GemmConfig(NamedTuple):
@@ -101,7 +101,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         # Saved in the layouts the backward GEMMs read: x.T for dW = dy.T @ x (tokens padded to 16),
         # W.T for dx = dy @ W.
-        x_t = _pad_rows(x_fp8, FP8_ALIGNMENT).t().contiguous() if needs_w_grad else None
+        x_t = pad_rows(x_fp8).t().contiguous() if needs_w_grad else None
         w_t = w_fp8.t().contiguous() if needs_x_grad else None
         ctx.save_for_backward(x_t, w_t, x_scale, w_scale)
         # The state buffers are updated in place by every call of the module (a module may run twice in
@@ -132,7 +132,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_scale, w_scale, ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
-            dy_t = _pad_rows(dy_fp8, FP8_ALIGNMENT).t().contiguous()
+            dy_t = pad_rows(dy_fp8).t().contiguous()
             grad_w = fp8_mm(dy_t, x_t.t(), dy_scale, x_scale, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
@@ -168,11 +168,11 @@ def quantize(
     return chosen, t_fp8
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = -t.shape[0] % multiple
-    if extra == 0:
-        return t
-    return torch.cat([t, t.new_zeros(extra, t.shape[1])])
+def pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) with zero rows appended up to a multiple of 16: FP8 GEMMs contract over (and cuBLAS
+    wants) dimensions divisible by 16, and zero rows add nothing to a product."""
+    extra = -t.shape[0] % FP8_ALIGNMENT
+    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
 _emulation_warned: set[tuple[str, torch.dtype, torch.dtype]] = set()

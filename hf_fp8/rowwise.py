@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale
-from hf_fp8.gemm import GemmConfig, fp8_mm
+from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.gemm import GemmConfig, fp8_mm, pad_rows
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
 __all__ = ["rowwise_linear"]
@@ -95,7 +95,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             dy_amax = dy.detach().abs().amax().float()
         if ctx.needs_input_grad[1]:
             if ctx.gw_in_fp8:
-                dy_t, x_t = _pad_rows(dy).t(), _pad_rows(x).t()  # (out, tokens), (in, tokens)
+                dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
                 dy_fp8, dy_scales, _ = cast_rows(dy_t, fmt, margin)  # per output feature, over tokens
                 x_fp8, x_scales, _ = cast_rows(x_t, config.forward_format, margin)  # per input feature
                 grad_w = fp8_mm(
@@ -115,8 +115,3 @@ def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.d
     and cuBLAS's before 12.9): the product comes out in BF16 and is cast to ``out_dtype``."""
     kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
     return fp8_mm(a, b, a_scales, b_scales, kernel_dtype).to(out_dtype)
-
-
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    extra = -t.shape[0] % FP8_ALIGNMENT
-    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, t.shape[1])])
