@@ -25,14 +25,18 @@ def default_amax_group() -> dist.ProcessGroup | None:
 
 
 @torch.no_grad()
-def sync_amaxes(newest: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+def sync_amaxes(newest: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor | None:
     """Replace each tensor of ``newest`` (the newest-amax slots of the layers' histories, all of one
-    shape) by its elementwise maximum over ``group``, in place.
+    shape) by its elementwise maximum over ``group``, in place, and return them stacked (on the first
+    one's device) as reduced, so the caller reads the step's amaxes without gathering them again.
 
-    One ``all_reduce`` for all of them; a no-op without a group or without tensors.
+    One ``all_reduce`` for all of them; without a group nothing is reduced; ``None`` without tensors.
     """
-    if group is None or not newest:
-        return
-    stacked = torch.stack(list(newest))
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_(list(newest), list(stacked.unbind(0)))
+    if not newest:
+        return None
+    device = newest[0].device
+    stacked = torch.stack([t.to(device) for t in newest])
+    if group is not None:
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+        torch._foreach_copy_(list(newest), list(stacked.unbind(0)))
+    return stacked

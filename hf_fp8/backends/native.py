@@ -217,8 +217,7 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     if not layers:
         return None
     states = [layer.scaling_state("") for layer in layers]
-    sync_amaxes([role.amax_history[0] for s in states for role in s.roles.values()], group)
-    newest = torch.cat([layer.amax_history[:, 0].to(layers[0].amax_history.device) for layer in layers])
+    newest = sync_amaxes([role.amax_history[0] for s in states for role in s.roles.values()], group)
     bad = ~torch.isfinite(newest)
     batches: dict[tuple, list[Fp8Scaled]] = {}
     for layer in layers:
