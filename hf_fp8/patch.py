@@ -112,9 +112,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if state is None:
         replace_modules(model, plain_module)
         return model
-    for handle in state.handles:
-        handle.remove()
-    state.backend.unpatch(model)
+    state.backend.unpatch(model, state.handles)
     set_state(model, None)
     return model
 

@@ -128,9 +128,10 @@ class Fp8Backend(ABC):
         return []
 
     @abstractmethod
-    def unpatch(self, model: nn.Module) -> None:
-        """Give ``model`` back its plain modules, with the same weights (after ``attach``'s hooks were
-        removed)."""
+    def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:
+        """Give ``model`` back its plain modules, with the same weights, and remove ``hooks`` (the
+        patch's hooks, ``attach``'s among them) at the point this backend needs them gone: a backend
+        whose hooks translate state-dict keys reads the weights through them first."""
 
     # ---- every forward, every step ----------------------------------------------------------------
 

@@ -102,7 +102,9 @@ class NativeBackend(Fp8Backend):
                 )
         return []
 
-    def unpatch(self, model: nn.Module) -> None:
+    def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:
+        for handle in hooks:
+            handle.remove()
         replace_modules(model, self.to_plain)
 
     @torch._dynamo.disable  # it replaces parameters: run eagerly, and let a compiled model re-trace once
@@ -216,16 +218,17 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     layers = [layer for layer in layers if not layer.amax_history.is_meta]  # shapes only: nothing to do
     if not layers:
         return None
-    states = [layer.scaling_state("") for layer in layers]
-    newest = sync_amaxes([role.amax_history[0] for s in states for role in s.roles.values()], group)
+    # Each layer's newest amaxes, a row per role in role order: one flat tensor, reduced at once.
+    newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
     bad = ~torch.isfinite(newest)
     batches: dict[tuple, list[Fp8Scaled]] = {}
     for layer in layers:
         history = layer.amax_history
-        batches.setdefault((layer.recipe, history.device, history.shape), []).append(layer)
-    for (recipe, *_), batch in batches.items():
+        # by the recipe object first: hashing a recipe's fields for every layer every step costs more
+        batches.setdefault((id(layer.recipe), history.device, history.shape), []).append(layer)
+    for batch in batches.values():
         advance_steps(
-            recipe,
+            batch[0].recipe,
             [m.amax_history for m in batch],
             [m.scale for m in batch],
             [m.fp8_steps for m in batch],

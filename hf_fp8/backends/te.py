@@ -217,10 +217,13 @@ class TeBackend(Fp8Backend):
             self.originals.append(_Original(entry.path, skeleton, shared, device))
         return _install_state_dict_hooks(model)
 
-    def unpatch(self, model: nn.Module) -> None:
+    def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:
         """The original modules back, each on its replacement's device, with the weights in HF's keys and
-        layouts (through the block hooks, still on the model). Shared parameters are handed back."""
+        layouts: read through the block hooks, which go before the weights are loaded back. Shared
+        parameters are handed back."""
         state_dict = model.state_dict()
+        for handle in hooks:
+            handle.remove()
         restored: dict[int, nn.Module] = {}
         for original in reversed(self.originals):
             current = get_path(model, original.path)
