@@ -26,17 +26,19 @@ def default_amax_group() -> dist.ProcessGroup | None:
 
 @torch.no_grad()
 def sync_amaxes(newest: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor | None:
-    """Replace each tensor of ``newest`` (the newest-amax slots of the layers' histories, all of one
-    shape) by its elementwise maximum over ``group``, in place, and return them stacked (on the first
-    one's device) as reduced, so the caller reads the step's amaxes without gathering them again.
+    """Replace each tensor of ``newest`` (the newest-amax slots of the layers' histories, one entry per
+    role) by its elementwise maximum over ``group``, in place, and return them all flattened into one
+    tensor (on the first one's device) as reduced, so the caller reads the step's amaxes without
+    gathering them again.
 
     One ``all_reduce`` for all of them; without a group nothing is reduced; ``None`` without tensors.
     """
     if not newest:
         return None
     device = newest[0].device
-    stacked = torch.stack([t.to(device) for t in newest])
+    flat = torch.cat([t.reshape(-1).to(device) for t in newest])
     if group is not None:
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
-        torch._foreach_copy_(list(newest), list(stacked.unbind(0)))
-    return stacked
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        parts = flat.split([t.numel() for t in newest])
+        torch._foreach_copy_(list(newest), [p.view_as(t) for p, t in zip(parts, newest, strict=True)])
+    return flat
