@@ -77,7 +77,30 @@ def test_training_forwards_build_no_kv_cache():
     assert out.past_key_values is None
     model.eval()
     with torch.no_grad():
-        assert model(**tm.batch_for("llama", 16)).past_key_values is not None, "generation keeps its cache"
+        unlabelled = {k: v for k, v in tm.batch_for("llama", 16).items() if k != "labels"}
+        assert model(**unlabelled).past_key_values is not None, "generation keeps its cache"
+
+
+def test_evaluation_and_generation_leave_the_training_graph_alone():
+    """A KV cache would recompile the block per layer index until torch.compile gave up on it and ran
+    training eagerly too: forwards with labels run without a cache, forwards with one run eagerly."""
+    torch._dynamo.reset()
+    model = llama(layers=9)  # more layers than torch.compile's recompile limit (8)
+    hf_fp8.patch_model(model)
+    hf_fp8.compile(model, backend="aot_eager")
+    train(model, steps=3)
+    model.eval()
+    with torch.no_grad():
+        batch = tm.batch_for("llama", 16)
+        assert model(**batch).past_key_values is None, "an evaluation loss needs no cache"
+        unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+        assert model(**unlabelled).past_key_values is not None, "a caller without labels keeps its cache"
+        generated = model.generate(unlabelled["input_ids"][:1], max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] == unlabelled["input_ids"].shape[1] + 3
+    model.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # back to the graph compiled for training
+        losses = train(model, steps=2)
+    assert all(torch.isfinite(torch.tensor(losses)))
 
 
 @pytest.mark.gpu
@@ -91,7 +114,7 @@ def test_gpu_inductor_fused_casts_match_the_eager_reference():
     fused = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear))
     step = torch.compile(lambda layer, x: layer(x), backend="inductor")
     for i in range(3):  # a first step by own amaxes, then delayed scales from the history
-        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) * (i + 1)
+        x = (torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)).requires_grad_()
         x2 = x.detach().clone().requires_grad_()
         dy = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
         y_ref, y = eager(x), step(fused, x2)
@@ -110,7 +133,7 @@ def test_gpu_inductor_fused_casts_match_the_eager_reference():
 def test_gpu_compiled_model_trains_like_eager():
     torch._dynamo.reset()
     eager = llama().cuda().to(torch.bfloat16)
-    hf_fp8.patch_model(eager)
+    hf_fp8.patch_model(eager, backend="native")  # the default is TE where it is installed
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled)
     reference = train(eager, steps=6)
