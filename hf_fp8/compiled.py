@@ -8,12 +8,17 @@ activation that produced the tensor.
 
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
 amax; the blocks are compiled after that step, for the steady state only, so nothing compiles twice.
-Training forwards are run without a KV cache (nothing reads it in training, and filling it makes
-each block's graph depend on its layer index).
+
+A KV cache makes each block's graph depend on its layer index: one recompilation per layer, until
+``torch.compile`` gives up on the block code and runs every later call eagerly, training included.
+So forwards that compute a loss (training, evaluation with labels) run without a cache unless the
+caller passes one or asks for it, and forwards that do use a cache (``generate()``, an evaluation
+forward without labels) run eagerly, leaving the compiled training graphs as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -56,7 +61,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
         (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None
     )
     if hf_model is not None:
-        hf_model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+        hf_model.register_forward_pre_hook(_route_cache, with_kwargs=True)
+        hf_model.register_forward_hook(_leave_eager, with_kwargs=True, always_call=True)
     owner = next((m for m in model.modules() if "loss_function" in dir(type(m))), None)
     if owner is not None and callable(owner.loss_function):
         owner.loss_function = torch.compile(owner.loss_function, **options)
@@ -89,7 +95,28 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return max(lists, key=len, default=[])
 
 
-def _no_cache_in_training(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    if not model.training or "use_cache" in kwargs or kwargs.get("past_key_values") is not None:
-        return None
-    return args, {**kwargs, "use_cache": False}
+_EAGER_CALLS = "_hf_fp8_eager_calls"  # a stack: forwards may nest (PEFT, a model inside a model)
+
+
+def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Before the HF model's forward: no KV cache where a loss is computed and nobody asked for one;
+    eager execution where a cache is used (see the module docstring)."""
+    cache_given = kwargs.get("past_key_values") is not None
+    asked = kwargs.get("use_cache")
+    config_wants = bool(getattr(getattr(model, "config", None), "use_cache", False))
+    computes_loss = model.training or kwargs.get("labels") is not None
+    if asked is None and not cache_given and computes_loss:
+        kwargs = {**kwargs, "use_cache": False}
+        asked = False
+    uses_cache = cache_given or bool(asked) or (asked is None and config_wants)
+    stance = torch.compiler.set_stance("force_eager") if uses_cache else None
+    if stance is None:  # set_stance takes effect when made: made only when needed
+        stance = contextlib.nullcontext()
+    model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)
+    return args, kwargs
+
+
+def _leave_eager(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+    calls = model.__dict__.get(_EAGER_CALLS)
+    if calls:
+        calls.pop().__exit__(None, None, None)
