@@ -120,6 +120,9 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     }
     if getattr(args, "profile", False) and cuda:
         result["gpu_ms"] = gpu_time_by_kind(step)
+    if getattr(args, "trace", None) and cuda:
+        name = f"{args.shape}-{getattr(args, 'current_mode', 'step')}"
+        result["trace"] = export_trace(step, args.trace, name)
     return result
 
 
@@ -157,6 +160,27 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[s
     return {k: round(v, 2) for k, v in sorted(totals.items())}
 
 
+def export_trace(step: Callable[[], torch.Tensor], folder: str, name: str) -> str:
+    """One step's CPU and GPU timeline (Chrome trace format, gzipped) in ``folder``: where the GPU
+    waits for the host shows there, which the per-kind totals cannot show."""
+    import gzip
+    import os
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = os.path.join(folder, f"{name}.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    return path + ".gz"
+
+
 def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
     """``run_mode`` for each mode, one after the other, each printed (and appended to ``args.out``) as
     it finishes; a mode that fails is reported and the others still run."""
@@ -164,6 +188,7 @@ def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
     for mode in modes:
         torch._dynamo.reset()  # each mode compiles from scratch, never into another mode's recompile limit
         try:
+            args.current_mode = mode  # names the trace file, if one is asked for
             result = run_mode(mode, args)
         except Exception as err:  # report and go on: one broken mode must not hide the others
             result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
@@ -204,6 +229,7 @@ def parse_arguments(
     parser.add_argument(
         "--profile", action="store_true", help="also break a step's GPU time down by kernel kind"
     )
+    parser.add_argument("--trace", help="also write one step's CPU/GPU timeline (Chrome trace) here")
     args = parser.parse_args(argv)
     chosen = args.modes.split(",")
     unknown = sorted(set(chosen) - set(modes))
