@@ -117,8 +117,17 @@ def test_these_scalings_need_e4m3(scaling):
         Fp8Recipe(scaling=scaling)
 
 
+INDUCTOR_BUG = pytest.mark.xfail(
+    reason="torch 2.11 Inductor computes the row-wise dgrad wrongly on an H100 (max error 15 vs 0.12); "
+    "hf_fp8.compile refuses these recipes",
+    strict=True,
+)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=INDUCTOR_BUG)], ids=["eager", "inductor"]
+)
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
 def test_gpu_rowwise_gemms_match_the_reference(scaling, compiled):
     """cuBLAS/CUTLASS row-wise kernels, eager and fused by Inductor, against the tile references: each of
@@ -147,3 +156,12 @@ def test_gpu_rowwise_gemms_match_the_reference(scaling, compiled):
     else:
         wgrad = dys.double().T @ xs.double()
     close(fp8.weight.grad, wgrad, "wgrad")
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
+def test_hf_fp8_compile_refuses_the_rowwise_recipes_inductor_miscompiles(scaling):
+    model = tm.build("llama")
+    hf_fp8.patch_model(model, Fp8Recipe(format="e4m3", scaling=scaling))
+    with pytest.raises(ValueError, match=rf"scaling '{scaling}' is not compiled.*without hf_fp8.compile"):
+        hf_fp8.compile(model, backend="aot_eager")
+    assert all(b._compiled_call_impl is None for b in model.model.layers), "nothing compiled"
