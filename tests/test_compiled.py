@@ -94,8 +94,9 @@ def test_evaluation_and_generation_leave_the_training_graph_alone():
         batch = tm.batch_for("llama", 16)
         assert model(**batch).past_key_values is None, "an evaluation loss needs no cache"
         unlabelled = {k: v for k, v in batch.items() if k != "labels"}
-        assert model(**unlabelled).past_key_values is not None, "a caller without labels keeps its cache"
-        generated = model.generate(unlabelled["input_ids"][:1], max_new_tokens=3, do_sample=False)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # forwards with a cache compile nothing
+            assert model(**unlabelled).past_key_values is not None, "a caller without labels keeps its cache"
+            generated = model.generate(unlabelled["input_ids"][:1], max_new_tokens=3, do_sample=False)
     assert generated.shape[1] == unlabelled["input_ids"].shape[1] + 3
     model.train()
     with torch._dynamo.config.patch(error_on_recompile=True):  # back to the graph compiled for training
