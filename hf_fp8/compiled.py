@@ -57,7 +57,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             f"the {state.backend.name} backend does not run under torch.compile; patch with "
             "backend='native' for the compiled fast path"
         )
-    miscompiled = {r.scaling for r in _recipes(model)} & _MISCOMPILED_SCALINGS
+    scalings = {m.recipe.scaling for m in model.modules() if isinstance(m, Fp8Scaled)}
+    miscompiled = scalings & _MISCOMPILED_SCALINGS
     if miscompiled:
         raise ValueError(
             f"scaling {sorted(miscompiled)[0]!r} is not compiled: on torch 2.11 (H100) Inductor computes the "
@@ -92,11 +93,6 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
 _MISCOMPILED_SCALINGS = {"rowwise", "rowwise_gw_hp"}
 
 
-def _recipes(model: nn.Module) -> list:
-    """The recipes of the model's native FP8 layers."""
-    return [m.recipe for m in model.modules() if isinstance(m, Fp8Scaled)]
-
-
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: modules of a class HF names in ``_no_split_modules`` (its decoder
     layers), else the members of the longest ``nn.ModuleList`` whose members share one class."""
@@ -126,9 +122,8 @@ def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         kwargs = {**kwargs, "use_cache": False}
         asked = False
     uses_cache = cache_given or bool(asked) or (asked is None and config_wants)
-    stance = torch.compiler.set_stance("force_eager") if uses_cache else None
-    if stance is None:  # set_stance takes effect when made: made only when needed
-        stance = contextlib.nullcontext()
+    # set_stance takes effect when it is made, so it is made only for a forward that uses a cache
+    stance = torch.compiler.set_stance("force_eager") if uses_cache else contextlib.nullcontext()
     model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)
     return args, kwargs
 
