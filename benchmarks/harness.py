@@ -231,11 +231,16 @@ def parse_arguments(
     )
     parser.add_argument("--trace", help="also write one step's CPU/GPU timeline (Chrome trace) here")
     args = parser.parse_args(argv)
-    chosen = args.modes.split(",")
+    return args, chosen_modes(parser, args.modes, modes)
+
+
+def chosen_modes(parser: argparse.ArgumentParser, text: str, modes: tuple[str, ...]) -> list[str]:
+    """The comma-separated modes of ``text``; an unknown one is a command-line error."""
+    chosen = text.split(",")
     unknown = sorted(set(chosen) - set(modes))
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {list(modes)}")
-    return args, chosen
+    return chosen
 
 
 def begin_run(args: argparse.Namespace, modes: list[str], detail: str = "") -> None:

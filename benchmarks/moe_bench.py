@@ -16,7 +16,7 @@ import contextlib
 import sys
 
 import torch
-from harness import begin_run, measure, print_table, ratio, run_all, training_flops
+from harness import begin_run, chosen_modes, measure, print_table, ratio, run_all, training_flops
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import hf_fp8
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     args.shape = f"mixtral-{args.layers}l"
-    modes = args.modes.split(",")
-    if set(modes) - set(MODES):
-        parser.error(f"unknown modes {sorted(set(modes) - set(MODES))}; choose from {list(MODES)}")
+    modes = chosen_modes(parser, args.modes, MODES)
     begin_run(args, modes)
     results = run_all(modes, run_mode, args)
 
