@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -163,10 +166,6 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[s
 def export_trace(step: Callable[[], torch.Tensor], folder: str, name: str) -> str:
     """One step's CPU and GPU timeline (Chrome trace format, gzipped) in ``folder``: where the GPU
     waits for the host shows there, which the per-kind totals cannot show."""
-    import gzip
-    import os
-    import shutil
-
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(folder, exist_ok=True)
