@@ -14,6 +14,7 @@ import os
 import shutil
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -190,6 +191,7 @@ def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
             args.current_mode = mode  # names the trace file, if one is asked for
             result = run_mode(mode, args)
         except Exception as err:  # report and go on: one broken mode must not hide the others
+            traceback.print_exc()  # the whole story on stderr; the table gets one line
             result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
         gc.collect()
         if torch.cuda.is_available():

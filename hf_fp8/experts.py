@@ -228,13 +228,14 @@ class _GroupedFp8Linear(torch.autograd.Function):
             w_scale, w_fp8 = weight_scale, weight
             if record:
                 scale[weight_role] = weight_scale
+        x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()
         parts = []
         for expert, (start, end) in _groups(counts):
             w_e = w_fp8[expert].t() if transposed else w_fp8[expert]  # (out, in)
-            parts.append(_mm(x_fp8[start:end], w_e.contiguous().t(), x_scale, w_scale, config.out_dtype))
+            parts.append(_mm(x_fp8[start:end], w_e.contiguous().t(), x_inverse, w_inverse, config.out_dtype))
         out_features = w_fp8.shape[-1] if transposed else w_fp8.shape[-2]
         out = torch.cat(parts) if parts else x.new_zeros(0, out_features, dtype=config.out_dtype)
-        ctx.save_for_backward(x_fp8, w_fp8, x_scale, w_scale)
+        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse)
         ctx.counts, ctx.transposed, ctx.grad_role = counts, transposed, grad_role
         ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
         ctx.observer, ctx.role_names = observer, role_names
@@ -243,19 +244,20 @@ class _GroupedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_fp8, w_fp8, x_scale, w_scale = ctx.saved_tensors
+        x_fp8, w_fp8, x_inverse, w_inverse = ctx.saved_tensors
         role = ctx.grad_role
         dy_scale, dy_fp8 = quantize(
             grad_output, role, ctx.role_names[role], ctx.config.backward_format, ctx.amax_history, ctx.scale,
             ctx.config, ctx.record, ctx.observer,
         )  # fmt: skip
+        dy_inverse = dy_scale.reciprocal()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             parts = []
             for expert, (start, end) in _groups(ctx.counts):
                 w_e = w_fp8[expert].t() if ctx.transposed else w_fp8[expert]  # (out, in) as the right operand
                 parts.append(
-                    _mm(dy_fp8[start:end], w_e.t().contiguous().t(), dy_scale, w_scale, ctx.input_dtype)
+                    _mm(dy_fp8[start:end], w_e.t().contiguous().t(), dy_inverse, w_inverse, ctx.input_dtype)
                 )
             grad_x = torch.cat(parts) if parts else dy_fp8.new_zeros(0, x_fp8.shape[1], dtype=ctx.input_dtype)
         if ctx.needs_input_grad[1]:
@@ -263,7 +265,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
             for expert, (start, end) in _groups(ctx.counts):
                 dy_t = pad_rows(dy_fp8[start:end]).t().contiguous()
                 x_col = pad_rows(x_fp8[start:end]).t().contiguous().t()
-                dw = fp8_mm(dy_t, x_col, dy_scale, x_scale, ctx.weight_dtype)  # (out, in)
+                dw = fp8_mm(dy_t, x_col, dy_inverse, x_inverse, ctx.weight_dtype)  # (out, in)
                 grad_w[expert] = dw.t() if ctx.transposed else dw
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
 
@@ -277,7 +279,7 @@ def _groups(counts: tuple[int, ...]):
         start += count
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale, out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(a: torch.Tensor, b: torch.Tensor, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:
     """``fp8_mm`` for a group of rows: padded to 16 rows for the GEMM (cuBLAS wants it), sliced back."""
     rows = a.shape[0]
-    return fp8_mm(pad_rows(a), b, a_scale, b_scale, out_dtype)[:rows]
+    return fp8_mm(pad_rows(a), b, a_inverse, b_inverse, out_dtype)[:rows]

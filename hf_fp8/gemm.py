@@ -62,7 +62,15 @@ def fp8_linear(
     # Flattened and reshaped outside the Function: its output is then no view, so the caller may
     # change it in place (Falcon adds the attention output into the MLP's).
     out = _Fp8LinearFunction.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, weight_scale, record, config, observer
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        amax_history,
+        scale,
+        weight_scale,
+        record,
+        config,
+        observer,
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -85,17 +93,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fmt = config.forward_format
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_scale, x_fp8 = quantize(x, INPUT, "input", fmt, amax_history, scale, config, record, observer)
+        x_inverse = x_scale.reciprocal()
         if weight_scale is None:
+            # With a stored weight scale the weight's amax is taken at the end of the step, for all
+            # layers at once (see Fp8Module.step_end_amaxes), not by one more reduction per layer here.
             w_scale, w_fp8 = quantize(
-                weight, WEIGHT, "weight", fmt, amax_history, scale, config, record, observer
-            )
+                weight, WEIGHT, "weight", fmt, amax_history, scale, config, record, observer,
+                record_amax=not config.stored_scales[WEIGHT],
+            )  # fmt: skip
+            w_inverse = w_scale.reciprocal()
         else:  # stored in FP8 (fp8_weights): no cast, no amax
-            w_scale, w_fp8 = weight_scale, weight
+            w_fp8, w_inverse = weight, weight_scale.reciprocal()
             if record:
                 scale[WEIGHT] = weight_scale
         # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
         # W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
-        out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scale, w_scale, config.out_dtype)
+        out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_inverse, w_inverse, config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
 
@@ -103,7 +116,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # W.T for dx = dy @ W.
         x_t = pad_rows(x_fp8).t().contiguous() if needs_w_grad else None
         w_t = w_fp8.t().contiguous() if needs_x_grad else None
-        ctx.save_for_backward(x_t, w_t, x_scale, w_scale)
+        ctx.save_for_backward(x_t, w_t, x_inverse, w_inverse)
         # The state buffers are updated in place by every call of the module (a module may run twice in
         # one forward), so they ride on ctx rather than through save_for_backward's version checks.
         ctx.amax_history = amax_history
@@ -118,22 +131,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_t, w_t, x_scale, w_scale = ctx.saved_tensors
+        x_t, w_t, x_inverse, w_inverse = ctx.saved_tensors
         config: GemmConfig = ctx.config
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         dy_scale, dy_fp8 = quantize(
             dy, GRAD_OUTPUT, "grad_output", fmt, ctx.amax_history, ctx.scale, config, ctx.record, ctx.observer
         )
+        dy_inverse = dy_scale.reciprocal()
 
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
-            grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_scale, w_scale, ctx.input_dtype)
+            grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_inverse, w_inverse, ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
             dy_t = pad_rows(dy_fp8).t().contiguous()
-            grad_w = fp8_mm(dy_t, x_t.t(), dy_scale, x_scale, ctx.weight_dtype)
+            grad_w = fp8_mm(dy_t, x_t.t(), dy_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None
@@ -149,18 +163,21 @@ def quantize(
     config: GemmConfig,
     record: bool,
     observer,
+    record_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
-    ``role``; records ``t``'s amax when ``record``. The observer sees the cast as ``role_name``."""
+    ``role``; records ``t``'s amax when ``record`` (and ``record_amax``: a caller whose amax the step's
+    end records says ``False``; a tensor without a stored scale takes its own amax whatever it says).
+    The observer sees the cast as ``role_name``."""
     stored = config.stored_scales[role]
-    amax = t.detach().abs().amax().float() if record or not stored else None
+    amax = t.detach().abs().amax().float() if (record and record_amax) or not stored else None
     if stored:
         chosen = scale[role].to(torch.float32, copy=True)  # not a view: the buffer changes in place
     else:
         chosen = compute_scale(amax, fmt, config.margin)
         if record:  # what a checkpoint or a log reads is what was applied
             scale[role] = chosen
-    if record:
+    if record and amax is not None:
         amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
     t_fp8 = cast_to_fp8(t, chosen, fmt)
     if record and observer is not None:
@@ -179,16 +196,17 @@ _emulation_warned: set[tuple[str, torch.dtype, torch.dtype]] = set()
 
 
 def fp8_mm(
-    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor, b: torch.Tensor, a_inverse: torch.Tensor, b_inverse: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` (row-major) and ``b`` (column-major).
+    """``(a * a_inverse) @ (b * b_inverse)`` for FP8 ``a`` (row-major) and ``b`` (column-major), where
+    the inverses are the operands' dequantization factors (1 / the scale each was cast with).
 
     Uses ``torch._scaled_mm``. Where it cannot run this pairing (torch without it; cuBLAS has no
     E5M2 x E5M2 kernel) the product is emulated exactly: FP8 values multiply exactly in float32 and
     accumulate in float32, as the tensor cores do. Emulation is announced once per pairing.
     """
     if _scaled_mm_supported(a, b):
-        return torch._scaled_mm(a, b, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=out_dtype)
     key = (a.device.type, a.dtype, b.dtype)
     if key not in _emulation_warned:
         _emulation_warned.add(key)
@@ -197,7 +215,7 @@ def fp8_mm(
             "exactly in float32 (same numerics, no FP8 speed-up)",
             stacklevel=3,
         )
-    out = (a.float() @ b.float()) * (a_scale.reciprocal() * b_scale.reciprocal())
+    out = (a.float() @ b.float()) * (a_inverse * b_inverse)
     return out.to(out_dtype)
 
 

@@ -99,7 +99,11 @@ class _RowwiseFp8Linear(torch.autograd.Function):
                 dy_fp8, dy_scales, _ = cast_rows(dy_t, fmt, margin)  # per output feature, over tokens
                 x_fp8, x_scales, _ = cast_rows(x_t, config.forward_format, margin)  # per input feature
                 grad_w = fp8_mm(
-                    dy_fp8.contiguous(), x_fp8.contiguous().t(), dy_scales, x_scales.t(), weight.dtype
+                    dy_fp8.contiguous(),
+                    x_fp8.contiguous().t(),
+                    dy_scales.reciprocal(),
+                    x_scales.t().reciprocal(),
+                    weight.dtype,
                 )
             else:
                 grad_w = (dy.t().to(x.dtype) @ x).to(weight.dtype)
@@ -111,7 +115,8 @@ class _RowwiseFp8Linear(torch.autograd.Function):
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:
-    """``fp8_mm`` with row-wise scales. On the GPU the row-wise kernels write BF16 only (CUTLASS's,
-    and cuBLAS's before 12.9): the product comes out in BF16 and is cast to ``out_dtype``."""
+    """``fp8_mm`` with row-wise scales (the ones the operands were cast with). On the GPU the row-wise
+    kernels write BF16 only (CUTLASS's, and cuBLAS's before 12.9): the product comes out in BF16 and
+    is cast to ``out_dtype``."""
     kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
-    return fp8_mm(a, b, a_scales, b_scales, kernel_dtype).to(out_dtype)
+    return fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype).to(out_dtype)

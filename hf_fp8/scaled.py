@@ -94,6 +94,11 @@ class Fp8Scaled(nn.Module):
     def float_module(self) -> nn.Module | None:
         return getattr(self, "_float_module", None)
 
+    def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(newest-amax slot, tensor) for each tensor whose amax this module's casts leave to the end
+        of the step, where it is taken for every layer at once; none by default."""
+        return []
+
     def store_weights_in_fp8(self) -> None:
         """Store the module's frozen weights in FP8 (the recipe's ``fp8_weights``)."""
         raise NotImplementedError

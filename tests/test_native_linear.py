@@ -230,6 +230,25 @@ def test_history_rolls_with_the_newest_amax_first():
     assert layer.fp8_steps.item() == 5
 
 
+def test_a_weight_cast_with_its_stored_scale_has_its_amax_taken_at_the_step_end():
+    """The first step takes the weight's amax in the forward (it scales by it); later steps take it when
+    the step ends, for all layers at once, so the forward records none. Either way the history holds
+    the amax of the weight each step used."""
+    linear, layer = make_layer(amax_history_len=4)
+    x = torch.randn(16, 64, requires_grad=True)
+    used = []
+    for step in range(3):
+        with torch.no_grad():
+            linear.weight.mul_(2.0)  # what an optimizer step does between two steps
+        used.insert(0, linear.weight.abs().max().item())
+        layer(x).sum().backward()
+        first = step == 0
+        assert (layer.amax_history[WEIGHT, 0].item() == used[0]) == first, step
+        assert layer.amax_history[INPUT, 0] == x.abs().max()
+        update_fp8_scales(layer)
+    assert layer.amax_history[WEIGHT].tolist() == [0.0, *used]
+
+
 @pytest.mark.parametrize(("algo", "expected_amax"), [("max", 8.0), ("most_recent", 2.0)])
 def test_amax_compute_algo(algo, expected_amax):
     _, layer = make_layer(amax_history_len=4, amax_compute_algo=algo)

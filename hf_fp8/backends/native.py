@@ -9,12 +9,14 @@ and a batched scale update (:mod:`hf_fp8.scaling`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
@@ -29,7 +31,7 @@ from hf_fp8.scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
 from hf_fp8.scaling import advance_steps
 from hf_fp8.scaling_state import LayerScaling
 
-__all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
+__all__ = ["NativeBackend", "end_native_step", "record_step_end_amaxes", "update_fp8_scales"]
 
 
 class NativeBackend(Fp8Backend):
@@ -218,6 +220,7 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     layers = [layer for layer in layers if not layer.amax_history.is_meta]  # shapes only: nothing to do
     if not layers:
         return None
+    record_step_end_amaxes(layers)
     # Each layer's newest amaxes, a row per role in role order: one flat tensor, reduced at once.
     newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
     bad = ~torch.isfinite(newest)
@@ -236,6 +239,20 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
         )
     refresh_stored_scales(layers)
     return bad
+
+
+@torch.no_grad()
+def record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
+    """Record the amaxes the layers left to the step's end (their weights': see
+    ``Fp8Scaled.step_end_amaxes``), all in one batch. A sharded weight (FSDP2) gives its local shard's;
+    the all-reduce that follows makes it the whole weight's."""
+    pairs = [pair for layer in layers for pair in layer.step_end_amaxes()]
+    if not pairs:
+        return
+    slots = [slot for slot, _ in pairs]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for _, t in pairs]
+    amaxes = torch._foreach_norm([t.detach() for t in tensors], math.inf, dtype=torch.float32)
+    torch._foreach_maximum_(slots, list(amaxes))
 
 
 def _weights(module: Fp8Scaled) -> list[torch.Tensor]:
