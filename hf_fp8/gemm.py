@@ -47,6 +47,7 @@ def fp8_linear(
     bias: torch.Tensor | None,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
+    weight_fp8: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
     record: bool,
     config: GemmConfig,
@@ -56,7 +57,9 @@ def fp8_linear(
 
     ``amax_history`` / ``scale`` are the layer's scaling state (see :mod:`hf_fp8.scaling`); ``record``
     says whether this call is part of a training step (amaxes and scales are then written).
-    ``weight_scale`` is given when ``weight`` is already stored in FP8. ``observer``, when given, sees
+    ``weight_fp8`` and ``weight_scale`` are given when the weight is already in FP8 (stored frozen, or
+    all-gathered so by FSDP2): its values and scale, used as they are; ``weight`` then only receives
+    the gradient. ``observer``, when given, sees
     every cast a recorded call makes (see :data:`hf_fp8.scaling_state.CastObserver`).
     """
     # Flattened and reshaped outside the Function: its output is then no view, so the caller may
@@ -67,6 +70,7 @@ def fp8_linear(
         bias,
         amax_history,
         scale,
+        weight_fp8,
         weight_scale,
         record,
         config,
@@ -84,6 +88,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         amax_history: torch.Tensor,
         scale: torch.Tensor,
+        weight_fp8: torch.Tensor | None,
         weight_scale: torch.Tensor | None,
         record: bool,
         config: GemmConfig,
@@ -94,7 +99,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_scale, x_fp8 = quantize(x, INPUT, "input", fmt, amax_history, scale, config, record, observer)
         x_inverse = x_scale.reciprocal()
-        if weight_scale is None:
+        if weight_fp8 is None:
             # With a stored weight scale the weight's amax is taken at the end of the step, for all
             # layers at once (see Fp8Module.step_end_amaxes), not by one more reduction per layer here.
             w_scale, w_fp8 = quantize(
@@ -102,8 +107,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 record_amax=not config.stored_scales[WEIGHT],
             )  # fmt: skip
             w_inverse = w_scale.reciprocal()
-        else:  # stored in FP8 (fp8_weights): no cast, no amax
-            w_fp8, w_inverse = weight, weight_scale.reciprocal()
+        else:  # already in FP8: no cast, no amax
+            w_fp8, w_inverse = weight_fp8, weight_scale.reciprocal()
             if record:
                 scale[WEIGHT] = weight_scale
         # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
@@ -126,7 +131,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.observer = observer
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
-        ctx.weight_dtype = weight.dtype  # an FP8 weight is frozen: no gradient in this dtype
+        ctx.weight_dtype = weight.dtype  # a gathered FP8 weight reports the dtype of its gradient
         return out
 
     @staticmethod
@@ -150,7 +155,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = fp8_mm(dy_t, x_t.t(), dy_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 
 def quantize(

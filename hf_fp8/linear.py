@@ -23,12 +23,13 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.blockwise import block_linear
 from hf_fp8.formats import FP8_ALIGNMENT
+from hf_fp8.fsdp import plain_weight, release_weight
 from hf_fp8.gemm import fp8_linear
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.rowwise import rowwise_linear
 from hf_fp8.scaled import Fp8Scaled
 from hf_fp8.scaling import ROLES, WEIGHT
-from hf_fp8.stored_weight import Fp8StoredWeight
+from hf_fp8.stored_weight import Fp8GatheredWeight, Fp8StoredWeight
 
 __all__ = ["Fp8Conv1D", "Fp8Linear", "Fp8Module"]
 
@@ -53,6 +54,7 @@ class Fp8Module(Fp8Scaled):
         same parameters (a weight stored in FP8 dequantized) and this layer's mode; a plain layer of
         the base class when this one was built directly."""
         self.dequantize_weight_()
+        release_weight(self)
         plain = self.float_module or self._plain_layer()
         plain.weight = self.weight
         plain.bias = self.bias
@@ -62,7 +64,7 @@ class Fp8Module(Fp8Scaled):
     @property
     def weight_in_fp8(self) -> bool:
         """Whether the weight is stored in FP8 (see :meth:`quantize_weight_`)."""
-        return isinstance(self.weight, Fp8StoredWeight)
+        return isinstance(self.weight, Fp8StoredWeight) and not isinstance(self.weight, Fp8GatheredWeight)
 
     @property
     def weight_scale(self) -> torch.Tensor:
@@ -104,29 +106,36 @@ class Fp8Module(Fp8Scaled):
         return self.weight.dequantize(device)
 
     def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The weight, when it is cast with its stored scale: its amax, the same whichever forward of
-        the step reads it, is taken at the step's end with every other layer's in one batch (one
-        reduction per layer less in the compiled step)."""
-        if self.weight_in_fp8 or not self.stored_scale_roles()[WEIGHT]:
+        """The weight, under tensorwise scaling: its amax, the same whichever forward of the step reads
+        it, is taken at the step's end with every other layer's in one batch. A cast with the stored
+        scale (or FSDP2's FP8 all-gather) then takes none: one reduction per layer less in the step."""
+        if self.weight_in_fp8 or self.recipe.scaling not in ("delayed", "current"):
             return []
         return [(self.amax_history[WEIGHT, 0], self.weight)]
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        # a weight FSDP2 all-gathers in FP8 is saved as its plain values
+        destination[prefix + "weight"] = plain_weight(destination[prefix + "weight"])
         if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
             destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
 
     def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
-        stored = self.weight_in_fp8
+        stored, gathered = self.weight_in_fp8, isinstance(self.weight, Fp8GatheredWeight)
         if stored and self.weight.requires_grad:
             raise RuntimeError(
                 "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
                 "call dequantize_weight_() first to train it in its original precision"
             )
+        # A weight already in FP8 (stored, or all-gathered so by FSDP2) goes to the GEMMs as it is; the
+        # gradient of a gathered one goes to the parameter.
         weight = self.weight._data if stored else self.weight
-        weight = weight.t() if transposed else weight
-        weight_scale = self.weight._scale if stored else None
+        weight_fp8 = self.weight._data if stored or gathered else None
+        if transposed:
+            weight = weight.t()
+            weight_fp8 = weight_fp8.t() if weight_fp8 is not None else None
+        weight_scale = self.weight._scale if stored or gathered else None
         device_type = x.device.type
         config = self.gemm_config(x)
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
@@ -149,6 +158,7 @@ class Fp8Module(Fp8Scaled):
                 bias,
                 self.amax_history,
                 self.scale,
+                weight_fp8,
                 weight_scale,
                 record,
                 config,

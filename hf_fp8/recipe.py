@@ -66,6 +66,10 @@ class Fp8Recipe:
         amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
         interval: recompute delayed scales every ``interval`` steps (histories still record every step).
         fp8_weights: keep frozen weights stored in FP8 (1 byte a value plus a scale).
+        fp8_all_gather: under FSDP2, all-gather trainable weights in FP8 (native backend, tensorwise
+            scaling): each rank casts its shard with the weight's scale before the all-gather (half the
+            bytes of BF16) and the GEMMs use the gathered FP8 weight; a forward outside FP8 (evaluation)
+            then reads the FP8-rounded weight. Without FSDP2 it changes nothing.
         pad_to_multiple: pad the token dimension to a multiple of this (FP8 GEMMs need 16).
         modules_to_not_convert: module name patterns left in high precision (``fnmatch`` syntax; a
             pattern also matches as a suffix of the dotted name, so ``"lm_head"`` or ``"mlp.gate"``).
@@ -86,6 +90,7 @@ class Fp8Recipe:
     amax_compute_algo: str = "max"
     interval: int = 1
     fp8_weights: bool = False
+    fp8_all_gather: bool = False
     pad_to_multiple: int = 16
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool = False
@@ -100,6 +105,12 @@ class Fp8Recipe:
             raise ValueError(
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
+            )
+        if self.fp8_all_gather and self.scaling not in ("delayed", "current"):
+            raise ValueError(
+                f"fp8_all_gather casts each weight with one scale before the all-gather; scaling "
+                f"{self.scaling!r} scales weights by row or block: use scaling 'delayed' or 'current', or "
+                "leave fp8_all_gather off"
             )
 
     @property
@@ -313,6 +324,7 @@ _VALIDATORS = {
     "amax_compute_algo": lambda n, v: _expect_choice(n, v, _AMAX_ALGOS),
     "interval": lambda n, v: _expect_int(n, v, 1, MAX_INTERVAL, _INTERVAL_WHY),
     "fp8_weights": _expect_bool,
+    "fp8_all_gather": _expect_bool,
     "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,
     "convert_lm_head": _expect_bool,

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 
 from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
 
-__all__ = ["Fp8StoredWeight"]
+__all__ = ["Fp8GatheredWeight", "Fp8StoredWeight"]
 
 _aten = torch.ops.aten
 
@@ -75,6 +75,9 @@ class Fp8StoredWeight(torch.Tensor):
         if func in (_aten.detach.default, _aten.alias.default):
             (weight,) = args
             return cls(func(weight._data), weight._scale, weight.dtype, weight._margin)
+        if func in (_aten.as_strided.default, _aten.view.default):  # FSDP2 shapes its gathered weights so
+            weight, *rest = args
+            return cls(func(weight._data, *rest, **kwargs), weight._scale, weight.dtype, weight._margin)
         if func is _aten.clone.default:
             (weight,) = args
             return cls(weight._data.clone(), weight._scale.clone(), weight.dtype, weight._margin)
@@ -103,3 +106,9 @@ class Fp8StoredWeight(torch.Tensor):
             return t.dequantize() if isinstance(t, cls) else t
 
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+class Fp8GatheredWeight(Fp8StoredWeight):
+    """A trainable weight as FSDP2 all-gathered it in FP8 (:mod:`hf_fp8.fsdp`), for one forward and
+    backward: the FP8 layers run their GEMMs on its values, and its gradient (in the reported dtype)
+    goes back to the sharded weight. Anything else sees its dequantized values, as for a stored weight."""

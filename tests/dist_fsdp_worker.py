@@ -1,12 +1,13 @@
 """A worker of tests/test_fsdp.py: FP8 training of a tiny Llama sharded with FSDP2 (``fully_shard`` on
 every decoder layer and the root, gloo on the CPU), or unsharded in one process as the reference.
 
-    python dist_fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume-from DIR]
+    python dist_fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume-from DIR] [--fp8-all-gather]
 
 Every run sees the same global batches (each rank its own half). It writes, per step, the loss and
 one layer's FP8 state to OUT_DIR/rank{R}.json; ``--save-at N`` checkpoints model, optimizer and FP8
 state after step N with torch.distributed.checkpoint and ``save_fp8_state``; ``--resume-from`` starts
-from such a checkpoint.
+from such a checkpoint; ``--fp8-all-gather`` patches with the recipe's ``fp8_all_gather`` and records what
+one layer's forward reads as its weight.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume-from")
+    parser.add_argument("--fp8-all-gather", action="store_true")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
     sharded = "RANK" in os.environ
@@ -44,7 +46,7 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
 
     model = tm.build("llama")
-    hf_fp8.patch_model(model)  # before sharding
+    hf_fp8.patch_model(model, recipe=hf_fp8.Fp8Recipe(fp8_all_gather=args.fp8_all_gather))  # before sharding
     if sharded:
         for layer in model.model.layers:
             fully_shard(layer)
@@ -60,6 +62,14 @@ def main() -> None:
         start = json.loads((folder / "step.json").read_text())["step"]
 
     layer = model.model.layers[0].mlp.down_proj
+    seen = {}
+
+    def weight_seen(module, inputs):  # the weight as the forward reads it, all-gathered by now
+        w = module.weight
+        data = getattr(w, "_data", w)
+        seen.update(type=type(w).__name__, dtype=str(data.dtype), bytes=data.untyped_storage().nbytes())
+
+    layer.register_forward_pre_hook(weight_seen)
     records = []
     per_rank = GLOBAL_BATCH // world
     for step in range(start, args.steps):
@@ -76,6 +86,7 @@ def main() -> None:
                 "history": layer.amax_history[:, 1:3].tolist(),
                 "scale": layer.scale.tolist(),
                 "weight_is_sharded": type(layer.weight).__name__ == "DTensor",
+                "weight_seen": dict(seen, numel=layer.weight.numel()),
             }
         )
         if args.save_at == step + 1:

@@ -17,25 +17,46 @@ def records(folder: Path, rank: int = 0) -> list[dict]:
     return json.loads((folder / f"rank{rank}.json").read_text())["steps"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Six steps sharded over two ranks; the same unsharded; three sharded steps, a checkpoint, and
-    three more resumed from it."""
-    folders = {n: tmp_path_factory.mktemp(n) for n in ("sharded", "single", "first", "resumed")}
-    run(
-        [([*cmd, str(folders["sharded"]), str(STEPS)], env) for cmd, env in ranks(2, WORKER)],
-        folders["sharded"] / "log",
-    )
-    run([([sys.executable, str(WORKER), str(folders["single"]), str(STEPS)], {})], folders["single"] / "log")
-    first = [([*cmd, str(folders["first"]), "3", "--save-at", "3"], env) for cmd, env in ranks(2, WORKER)]
-    run(first, folders["first"] / "log")
-    checkpoint = str(folders["first"] / "checkpoint")
-    resumed = [
-        ([*cmd, str(folders["resumed"]), str(STEPS), "--resume-from", checkpoint], env)
-        for cmd, env in ranks(2, WORKER)
-    ]
-    run(resumed, folders["resumed"] / "log")
+def sharded_runs(tmp_path_factory, *options: str) -> dict[str, Path]:
+    """Six steps sharded over two ranks; three sharded steps, a checkpoint, and three more resumed
+    from it; the worker's ``options`` for all of them."""
+    folders = {n: tmp_path_factory.mktemp(n) for n in ("sharded", "first", "resumed")}
+
+    def on_two_ranks(folder: Path, *args: str) -> None:
+        run([([*cmd, str(folder), *args, *options], env) for cmd, env in ranks(2, WORKER)], folder / "log")
+
+    on_two_ranks(folders["sharded"], str(STEPS))
+    on_two_ranks(folders["first"], "3", "--save-at", "3")
+    on_two_ranks(folders["resumed"], str(STEPS), "--resume-from", str(folders["first"] / "checkpoint"))
     return folders
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """The six steps unsharded, in one process: the reference."""
+    folder = tmp_path_factory.mktemp("single")
+    run([([sys.executable, str(WORKER), str(folder), str(STEPS)], {})], folder / "log")
+    return folder
+
+
+@pytest.fixture(scope="module", params=["high-precision all-gather", "FP8 all-gather"])
+def runs(request, tmp_path_factory, single):
+    """The sharded runs, with weights all-gathered in their own dtype or in FP8, and the reference."""
+    options = ("--fp8-all-gather",) if request.param == "FP8 all-gather" else ()
+    return {**sharded_runs(tmp_path_factory, *options), "single": single, "fp8_all_gather": bool(options)}
+
+
+def test_the_forward_reads_the_weight_as_all_gathered(runs):
+    """With fp8_all_gather the gathered weight is FP8, one byte a value (a quarter of these float32
+    weights' bytes, half of BF16's); without, the weight in its own dtype."""
+    for rank in (0, 1):
+        for record in records(runs["sharded"], rank):
+            seen = record["weight_seen"]
+            if runs["fp8_all_gather"]:
+                assert seen["type"] == "Fp8GatheredWeight", record["step"]
+                assert seen["dtype"] == "torch.float8_e4m3fn" and seen["bytes"] == seen["numel"]
+            else:
+                assert seen["dtype"] == "torch.float32" and seen["bytes"] == 4 * seen["numel"]
 
 
 def test_sharded_ranks_hold_the_same_fp8_state_every_step(runs):
@@ -58,6 +79,8 @@ def test_sharded_training_matches_the_unsharded_run(runs):
         # each rank's gradient is of its half batch's mean loss: twice the whole batch's (a factor FP8
         # scaling takes exactly)
         assert a["history"][2][0] == pytest.approx(2 * reference["history"][2][0], rel=5e-2)
+        # the weight's amax, taken from each rank's shard at the step's end and reduced: the whole weight's
+        assert a["history"][1][0] == pytest.approx(reference["history"][1][0], rel=1e-3)
 
 
 def test_resuming_a_sharded_checkpoint_gives_the_uninterrupted_run(runs):

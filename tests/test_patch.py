@@ -303,6 +303,33 @@ def test_fp8_weights_on_the_native_backend_stores_frozen_weights_and_says_so():
     assert model.model.layers[1].mlp.up_proj.weight.dtype == torch.float32, "trainable: keeps its dtype"
 
 
+def test_fp8_all_gather_without_fsdp_trains_as_without_and_comes_back_plain():
+    """Without FSDP2 the recipe's fp8_all_gather changes no number; the weights keep their objects,
+    checkpoints hold plain tensors, and unpatching gives plain parameters back (tests/test_fsdp.py
+    shards it)."""
+    models = [tm.build("llama") for _ in range(2)]
+    weight = models[1].model.layers[0].mlp.up_proj.weight
+    patch_model(models[0], backend="native")
+    report = patch_model(models[1], Fp8Recipe(fp8_all_gather=True), backend="native")
+    assert "fp8_all_gather: 14 weight(s) are all-gathered in FP8 under FSDP2" in report.notes
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    batch = tm.batch_for("llama", 32)
+    for _ in range(3):
+        losses = []
+        for model, optimizer in zip(models, optimizers, strict=True):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    state = models[1].state_dict()
+    assert type(state["model.layers.0.mlp.up_proj.weight"]) is torch.Tensor
+    assert set(state) == set(models[0].state_dict())
+    unpatch_model(models[1])
+    assert models[1].model.layers[0].mlp.up_proj.weight is weight and type(weight) is nn.Parameter
+
+
 def test_calls_that_change_nothing_do_not_check_the_backend():
     model = tm.build("llama")
     report = patch_model(model, Fp8Recipe(enabled=False), backend="te")  # no TE needed to do nothing

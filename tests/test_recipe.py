@@ -53,6 +53,7 @@ def test_recipe_is_frozen_and_replace_validates():
         ("amax_compute_algo", "most_recent", "mean", r"one of \['max', 'most_recent'\]"),
         ("interval", 10, 0, "integer from 1 to 100000"),
         ("fp8_weights", True, 1, "true or false"),
+        ("fp8_all_gather", True, "on", "true or false"),
         ("pad_to_multiple", 64, 8, "multiple of 16"),
         ("pad_to_multiple", 32, "16", "integer from 1 to 1024"),
         ("modules_to_not_convert", ["lm_head", "*.gate"], [3], "list of module name patterns"),
@@ -230,3 +231,9 @@ def test_named_recipes_match_shipped_yaml_files():
     assert Fp8Recipe.named("current-scaling").scaling == "current"
     with pytest.raises(ValueError, match="unknown recipe 'fast'"):
         Fp8Recipe.named("fast")
+
+
+def test_fp8_all_gather_needs_one_scale_per_weight():
+    with pytest.raises(ValueError, match=r"fp8_all_gather casts each weight with one scale.*'rowwise'"):
+        Fp8Recipe(format="e4m3", scaling="rowwise", fp8_all_gather=True)
+    assert Fp8Recipe(scaling="current", fp8_all_gather=True).fp8_all_gather

@@ -57,6 +57,7 @@ def test_block_scaling_runs_emulated_in_the_native_backend():
         (Fp8Recipe(interval=4), "interval=4"),
         (Fp8Recipe(scaling="current", margin=1), "margin=1"),
         (Fp8Recipe(scaling="rowwise", format="e4m3"), "scaling 'rowwise' has no Transformer Engine recipe"),
+        (Fp8Recipe(fp8_all_gather=True), "fp8_all_gather is built for the native backend"),
     ],
 )
 def test_recipes_te_cannot_run_are_refused(recipe, message):

@@ -23,7 +23,8 @@ from transformers.pytorch_utils import Conv1D
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.experts import Fp8Experts
-from hf_fp8.linear import Fp8Conv1D, Fp8Linear
+from hf_fp8.fsdp import gather_weight_in_fp8
+from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
@@ -85,6 +86,8 @@ class NativeBackend(Fp8Backend):
                 f"MoE experts scale each of their tensors as a whole (current scaling) under scaling "
                 f"{self.recipe.scaling!r}; their linear layers follow the recipe"
             )
+        if self.recipe.fp8_all_gather:
+            self._gather_weights_in_fp8(model, report)
         if self.recipe.fp8_weights:
             # A weight another module also uses (tied embeddings) must keep its dtype for that module.
             shared = {
@@ -103,6 +106,20 @@ class NativeBackend(Fp8Backend):
                     "keep their dtype"
                 )
         return []
+
+    def _gather_weights_in_fp8(self, model: nn.Module, report: PatchReport) -> None:
+        """``fp8_all_gather``: the trainable weights of the FP8 linear layers are all-gathered in FP8 under
+        FSDP2 (:mod:`hf_fp8.fsdp`); weights another module also uses, and experts, are not."""
+        shared = {id(p) for m in model.modules() if not isinstance(m, Fp8Scaled) for p in m.parameters(False)}
+        linear = [m for m in self.layers if isinstance(m, Fp8Module)]
+        chosen = [m for m in linear if m.weight.requires_grad and id(m.weight) not in shared]
+        for module in chosen:
+            gather_weight_in_fp8(module)
+        left = len(self.layers) - len(chosen)
+        report.notes.append(
+            f"fp8_all_gather: {len(chosen)} weight(s) are all-gathered in FP8 under FSDP2"
+            + (f"; {left} FP8 module(s) in their own dtype (tied, frozen or experts)" if left else "")
+        )
 
     def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:
         for handle in hooks:

@@ -81,6 +81,11 @@ def to_te_recipe(recipe: Fp8Recipe):
         Format,
     )
 
+    if recipe.fp8_all_gather:
+        raise ValueError(
+            "fp8_all_gather is built for the native backend's FSDP2 path; patch with backend='native', or "
+            "leave fp8_all_gather off (TE modules are then all-gathered in their own dtype)"
+        )
     if recipe.format == "e5m2":
         raise ValueError(
             "format 'e5m2' (E5M2 for every tensor) has no Transformer Engine recipe; use 'hybrid' or 'e4m3', "

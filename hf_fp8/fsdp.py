@@ -1,0 +1,161 @@
+"""FP8 all-gather of weights under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank casts its shard of a weight to FP8 before FSDP2 all-gathers it, so the all-gather moves one
+byte a value instead of two or four, and the FP8 layer's GEMMs read the gathered FP8 weight as it is
+(no second cast). With delayed scaling the weight's scale is known before the all-gather, so no
+collective is added; only before a layer has a stored weight scale (its first step) are the shards'
+amaxes reduced over the shard group first, so that every rank casts with the same scale.
+
+The extension point is FSDP2's: a parameter whose local tensor has ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather``. :func:`gather_weight_in_fp8` puts a layer's weight in such a tensor,
+:class:`Fp8ShardedWeight` (at patch time, before sharding, with the recipe's ``fp8_all_gather``);
+the all-gather gives the layer an :class:`~hf_fp8.stored_weight.Fp8GatheredWeight` for the
+duration of its forward and backward. Everything else sees the weight's own values: the wrapper
+forwards every operation to them, and ``state_dict`` holds them as a plain tensor (HF keys and dtype).
+:func:`release_weight` undoes it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hf_fp8.formats import cast_to_fp8, compute_scale
+from hf_fp8.scaling import WEIGHT
+from hf_fp8.stored_weight import Fp8GatheredWeight
+
+__all__ = ["Fp8ShardedWeight", "gather_weight_in_fp8", "plain_weight", "release_weight"]
+
+_aten = torch.ops.aten
+# Operations whose result is still the weight (FSDP2 shards, pads and moves it with these): the result
+# keeps the all-gather methods. Any other operation gives a plain tensor.
+_KEEPS_WRAPPER = {
+    _aten.alias.default,
+    _aten.as_strided.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.slice.Tensor,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.view.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+}
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """A high-precision weight (after ``fully_shard``, this rank's shard of it) that FSDP2 all-gathers
+    in FP8, cast with the scale of the layer it belongs to."""
+
+    _tensor: torch.Tensor
+    _layer: weakref.ReferenceType
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, layer: weakref.ReferenceType) -> Fp8ShardedWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.shape,
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, layer: weakref.ReferenceType) -> None:
+        self._tensor = tensor
+        self._layer = layer
+
+    def __repr__(self) -> str:
+        return f"Fp8ShardedWeight({self._tensor})"
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._layer
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, layer, outer_size, outer_stride) -> Fp8ShardedWeight:
+        return Fp8ShardedWeight(inner["_tensor"], layer)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        layer = next(a._layer for a in tree_leaves((args, kwargs)) if isinstance(a, cls))
+        out = func(*tree_map(plain_weight, args), **tree_map(plain_weight, kwargs))
+        if func._schema.is_mutable and isinstance(args[0], cls):
+            return args[0]  # changed in place through its values
+        if func not in _KEEPS_WRAPPER:
+            return out
+        return tree_map(lambda t: cls(t, layer) if isinstance(t, torch.Tensor) else t, out)
+
+    def fsdp_pre_all_gather(
+        self, mesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """This rank's shard in FP8 (as bytes, which every backend gathers), and the scale it was cast
+        with; zero rows pad an uneven last shard to the size FSDP2 gathers."""
+        layer = self._layer()
+        recipe = layer.recipe
+        fmt = recipe.forward_format
+        if layer.stored_scale_roles()[WEIGHT]:
+            scale = layer.scale[WEIGHT].to(torch.float32, copy=True)
+        else:  # no stored scale yet: the whole weight's amax, the same on every rank
+            amax = self._tensor.detach().abs().amax().float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            scale = compute_scale(amax, fmt, recipe.margin)
+        shard = cast_to_fp8(self._tensor.detach(), scale, fmt)
+        rows = -(-outer_size[0] // mesh.size())
+        if shard.shape[0] < rows:
+            shard = torch.cat([shard, shard.new_zeros(rows - shard.shape[0], *shard.shape[1:])])
+        return (shard.view(torch.uint8),), (scale, fmt.dtype, recipe.margin)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The gathered FP8 weight, reporting ``param_dtype``; FSDP2 refills ``out`` (the gathered weight
+        of an earlier step, on the same buffer) from the second all-gather on."""
+        (gathered,) = all_gather_outputs
+        scale, fp8_dtype, margin = metadata
+        data = gathered.view(fp8_dtype)
+        if out is not None:
+            out._scale.copy_(scale)
+            return None
+        return Fp8GatheredWeight(data, scale, param_dtype, margin), (gathered,)
+
+
+def gather_weight_in_fp8(layer: nn.Module) -> None:
+    """Have FSDP2 all-gather ``layer.weight`` in FP8 (see the module docstring). The parameter stays the
+    same object (optimizers and tied references keep it), with the same values, shape and dtype."""
+    weight = layer.weight
+    wrapped = nn.Parameter(Fp8ShardedWeight(weight.detach(), weakref.ref(layer)), weight.requires_grad)
+    torch.utils.swap_tensors(weight, wrapped)
+
+
+def release_weight(layer: nn.Module) -> None:
+    """Undo :func:`gather_weight_in_fp8` (a no-op for a weight it did not wrap)."""
+    weight = layer.weight
+    if isinstance(weight, Fp8ShardedWeight):
+        torch.utils.swap_tensors(weight, nn.Parameter(weight._tensor, weight.requires_grad))
+
+
+def plain_weight(t: Any) -> Any:
+    """``t``'s values as a plain tensor if it is (or, as a DTensor, holds) an :class:`Fp8ShardedWeight`;
+    ``t`` itself otherwise."""
+    if isinstance(t, Fp8ShardedWeight):
+        return t._tensor
+    if isinstance(t, DTensor) and isinstance(local := t.to_local(), Fp8ShardedWeight):
+        return DTensor.from_local(
+            local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t
