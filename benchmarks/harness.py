@@ -49,6 +49,15 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=False,
     ),
+    # Llama-3-8B's shape, all 32 layers: more than one GPU holds for full fine-tuning (fsdp_bench.py)
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
 }
 
 

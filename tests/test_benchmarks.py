@@ -3,6 +3,7 @@ measurement, so that a GPU session does not spend its time on a broken script.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +26,16 @@ TIMING = ("--warmup", "2", "--steps", "2")
 
 
 def bench(script: str, *args: str) -> str:
+    """Run a benchmark script (or ``-m module`` with its arguments) in the benchmarks folder."""
+    command = [script, *args] if script == "-m" else [str(BENCHMARKS / script), *args]
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
+        [sys.executable, *command],
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
         timeout=600,
         cwd=BENCHMARKS,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
@@ -67,3 +71,15 @@ def test_moe_bench_runs():
     )
     table = table_rows(out)
     assert set(table) == {"bf16-eager", "bf16-grouped", "hf-fp8"} and "error" not in out, out
+
+
+def test_fsdp_bench_runs_on_two_gloo_ranks():
+    out = bench(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
+        "--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "32", *TIMING,
+    )  # fmt: skip
+    table = table_rows(out)
+    assert set(table) == {"bf16", "hf-fp8", "hf-fp8-ag"}, out
+    gathered = {mode: float(cells[3].replace(",", "")) for mode, cells in table.items()}
+    assert gathered["hf-fp8-ag"] < gathered["hf-fp8"] == gathered["bf16"], out
+    assert table["hf-fp8-ag"][4] == table["hf-fp8"][4], "the FP8 all-gather changes no number"

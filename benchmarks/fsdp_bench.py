@@ -1,0 +1,129 @@
+"""FSDP2 on N GPUs: BF16 against hf-fp8, with and without the FP8 all-gather of weights.
+
+    torchrun --nproc_per_node N benchmarks/fsdp_bench.py [--shape 8b] [--modes bf16,hf-fp8,hf-fp8-ag]
+        [--compile]
+
+Every mode builds the same Llama-shaped model in BF16 (patched first for the hf-fp8 modes: native
+backend, hybrid delayed scaling; ``hf-fp8-ag`` adds ``fp8_all_gather``), shards each decoder layer
+and then the root with ``fully_shard``, and trains on 4 x 2048 tokens a rank with fused AdamW. Rank 0
+prints a JSON line per mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU,
+and the bytes all-gathered per step. Those are counted, not sniffed: each sharded parameter is
+gathered twice a step (forward, and again for the backward after resharding), at its all-gather
+dtype's size (one byte a value for the weights gathered in FP8).
+
+``--device cpu --shape tiny`` runs it with gloo as a smoke test of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from harness import SHAPES, build
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import hf_fp8
+from hf_fp8.fsdp import Fp8ShardedWeight
+
+MODES = ("bf16", "hf-fp8", "hf-fp8-ag")
+GATHERS_PER_STEP = 2  # forward, and backward after reshard_after_forward
+
+
+def all_gather_bytes(model: torch.nn.Module) -> int:
+    """Bytes all-gathered in one step over all ranks' shards (see the module docstring)."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        size = 1 if isinstance(local, Fp8ShardedWeight) else param.element_size()
+        total += param.numel() * size
+    return GATHERS_PER_STEP * total
+
+
+def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
+    model = build(args.shape, args.device)
+    if mode != "bf16":
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(fp8_all_gather=mode == "hf-fp8-ag"), backend="native")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if args.compile:
+        hf_fp8.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    generator = torch.Generator(device=args.device).manual_seed(rank)
+    vocab = model.config.vocab_size
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {
+        "mode": mode,
+        "shape": args.shape,
+        "gpus": dist.get_world_size(),
+        "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
+        "ms_per_step": seconds * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "all_gather_mib_per_step": all_gather_bytes(model) / 2**20,
+        "loss": loss.item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="hf_fp8.compile after sharding")
+    parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    results = []
+    for mode in modes:
+        result = run_mode(mode, args, rank)
+        results.append(result)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+    if rank == 0:
+        base = next((r for r in results if r["mode"] == "bf16"), None)
+        print("\n| mode | tokens/s per GPU | vs bf16 | peak GiB per GPU | all-gather MiB per step | loss |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            versus = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if base else "-"
+            print(
+                f"| {r['mode']} | {r['tokens_per_s_per_gpu']:,.0f} | {versus} | {r['peak_gib']:.1f} | "
+                f"{r['all_gather_mib_per_step']:,.2f} | {r['loss']:.4f} |"
+            )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
