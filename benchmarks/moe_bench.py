@@ -5,8 +5,9 @@
 Mixtral-8x7B's layer shape (hidden 4096, experts of 14336, top-2 of 8, 32 heads over 8 KV heads),
 ``--layers`` layers, batch 4 x 2048 by default, AdamW fused. ``bf16-grouped`` runs transformers'
 ``grouped_mm`` experts implementation (one grouped BF16 GEMM per projection), ``bf16-eager`` its
-per-expert loop, ``hf-fp8`` the native backend's FP8 experts (one FP8 GEMM per expert and projection)
-with the attention projections in FP8 too.
+per-expert loop, ``hf-fp8`` the native backend's FP8 experts with the attention projections in FP8 too
+(default recipe, hybrid: grouped FP8 GEMMs in the forward, E5M2 gradients expert by expert), and
+``hf-fp8-e4m3`` the same with ``format: e4m3`` (grouped FP8 GEMMs in the backward too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import hf_fp8
 
-MODES = ("bf16-eager", "bf16-grouped", "hf-fp8")
+MODES = ("bf16-eager", "bf16-grouped", "hf-fp8", "hf-fp8-e4m3")
 
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
@@ -49,8 +50,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     model = build(args.layers, "grouped_mm" if mode == "bf16-grouped" else "eager", args.tiny, args.device)
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2 // 8  # top-2 of 8
     flops = training_flops(model, args.batch, args.seq) + 6.0 * routed * args.batch * args.seq
-    if mode == "hf-fp8":
-        hf_fp8.patch_model(model)
+    if mode.startswith("hf-fp8"):
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3" if mode == "hf-fp8-e4m3" else "hybrid"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     result = measure(model, optimizer, contextlib.nullcontext, args, flops)
     return {"mode": mode, "shape": f"mixtral-{args.layers}l", **result}

@@ -8,9 +8,9 @@ do not change) and runs, while FP8 is active, both projections and their backwar
 
 * tokens are grouped by the expert they are routed to (each token once per expert of its top-k);
 * each projection casts its input once and its 3-D weight once (one tensorwise scale each, delayed
-  scaling with the recipe's history, as for linear layers), then runs one FP8 GEMM per expert that
-  received tokens, forward, dgrad and wgrad (:func:`hf_fp8.gemm.fp8_mm`: ``torch._scaled_mm``, or its
-  exact emulation where there is no kernel);
+  scaling with the recipe's history, as for linear layers), then runs its forward, dgrad and wgrad as
+  one grouped FP8 GEMM each on Hopper (``torch._scaled_grouped_mm``, E4M3 operands), or one FP8 GEMM
+  per expert that received tokens elsewhere (:mod:`hf_fp8.grouped`);
 * gating, the activation, biases and the routing weights stay in high precision; the router is not
   part of this module and stays in high precision too.
 
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from hf_fp8.formats import FP8_ALIGNMENT
-from hf_fp8.gemm import GemmConfig, fp8_mm, pad_rows, quantize
+from hf_fp8.gemm import GemmConfig, quantize
+from hf_fp8.grouped import GroupLayout, expert_dgrad, expert_forward, expert_wgrad, group_layout
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaled import Fp8Scaled
 from hf_fp8.stored_weight import Fp8StoredWeight
@@ -173,6 +174,7 @@ def _fp8_experts_forward(
     sorted_ids = expert_ids[order]
     record = module.training and torch.is_grad_enabled()
     config = module.gemm_config(hidden_states)
+    layout = group_layout(counts, hidden_states.device)
 
     def project(x: torch.Tensor, name: str, roles: tuple[int, int, int]) -> torch.Tensor:
         weight = getattr(module, name)
@@ -180,7 +182,7 @@ def _fp8_experts_forward(
         data, weight_scale = (weight._data, weight._scale) if stored else (weight, None)
         with torch.autocast(x.device.type, enabled=False):
             out = _GroupedFp8Linear.apply(
-                x, data, weight_scale, counts, module.is_transposed, module.amax_history, module.scale,
+                x, data, weight_scale, layout, module.is_transposed, module.amax_history, module.scale,
                 roles, record, config, module.cast_observer, module.ROLE_NAMES,
             )  # fmt: skip
         bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
@@ -197,8 +199,8 @@ def _fp8_experts_forward(
 
 
 class _GroupedFp8Linear(torch.autograd.Function):
-    """``x_e @ W_e.T`` for each expert e over its rows of ``x`` (``counts`` rows each, in order), all
-    three GEMMs in FP8, one cast of ``x``, of ``W`` and of the output gradient."""
+    """``x_e @ W_e.T`` for each expert e over its rows of ``x`` (grouped as ``layout`` says), all three
+    GEMMs in FP8 (:mod:`hf_fp8.grouped`), one cast of ``x``, of ``W`` and of the output gradient."""
 
     @staticmethod
     def forward(
@@ -206,7 +208,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         weight_scale: torch.Tensor | None,
-        counts: tuple[int, ...],
+        layout: GroupLayout,
         transposed: bool,
         amax_history: torch.Tensor,
         scale: torch.Tensor,
@@ -229,17 +231,13 @@ class _GroupedFp8Linear(torch.autograd.Function):
             if record:
                 scale[weight_role] = weight_scale
         x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()
-        parts = []
-        for expert, (start, end) in _groups(counts):
-            w_e = w_fp8[expert].t() if transposed else w_fp8[expert]  # (out, in)
-            parts.append(_mm(x_fp8[start:end], w_e.contiguous().t(), x_inverse, w_inverse, config.out_dtype))
-        out_features = w_fp8.shape[-1] if transposed else w_fp8.shape[-2]
-        out = torch.cat(parts) if parts else x.new_zeros(0, out_features, dtype=config.out_dtype)
+        w_fp8 = w_fp8.transpose(-2, -1) if transposed else w_fp8  # (experts, out, in)
+        out = expert_forward(x_fp8, w_fp8, x_inverse, w_inverse, layout, config.out_dtype)
         ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse)
-        ctx.counts, ctx.transposed, ctx.grad_role = counts, transposed, grad_role
+        ctx.layout, ctx.transposed, ctx.grad_role = layout, transposed, grad_role
         ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
         ctx.observer, ctx.role_names = observer, role_names
-        ctx.input_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight.dtype, weight.shape
+        ctx.input_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return out
 
     @staticmethod
@@ -253,33 +251,8 @@ class _GroupedFp8Linear(torch.autograd.Function):
         dy_inverse = dy_scale.reciprocal()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            parts = []
-            for expert, (start, end) in _groups(ctx.counts):
-                w_e = w_fp8[expert].t() if ctx.transposed else w_fp8[expert]  # (out, in) as the right operand
-                parts.append(
-                    _mm(dy_fp8[start:end], w_e.t().contiguous().t(), dy_inverse, w_inverse, ctx.input_dtype)
-                )
-            grad_x = torch.cat(parts) if parts else dy_fp8.new_zeros(0, x_fp8.shape[1], dtype=ctx.input_dtype)
+            grad_x = expert_dgrad(dy_fp8, w_fp8, dy_inverse, w_inverse, ctx.layout, ctx.input_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros(ctx.weight_shape, dtype=ctx.weight_dtype, device=dy_fp8.device)
-            for expert, (start, end) in _groups(ctx.counts):
-                dy_t = pad_rows(dy_fp8[start:end]).t().contiguous()
-                x_col = pad_rows(x_fp8[start:end]).t().contiguous().t()
-                dw = fp8_mm(dy_t, x_col, dy_inverse, x_inverse, ctx.weight_dtype)  # (out, in)
-                grad_w[expert] = dw.t() if ctx.transposed else dw
+            grad_w = expert_wgrad(dy_fp8, x_fp8, dy_inverse, x_inverse, ctx.layout, ctx.weight_dtype)
+            grad_w = grad_w.transpose(-2, -1) if ctx.transposed else grad_w
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
-
-
-def _groups(counts: tuple[int, ...]):
-    """(expert, (first row, end row)) for every expert that received rows."""
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            yield expert, (start, start + count)
-        start += count
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:
-    """``fp8_mm`` for a group of rows: padded to 16 rows for the GEMM (cuBLAS wants it), sliced back."""
-    rows = a.shape[0]
-    return fp8_mm(pad_rows(a), b, a_inverse, b_inverse, out_dtype)[:rows]

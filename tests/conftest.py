@@ -39,6 +39,18 @@ class ScaledMmCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class GroupedMmCalls(TorchDispatchMode):
+    """Counts the ``aten._scaled_grouped_mm`` calls made inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._scaled_grouped_mm.default
+        return func(*args, **(kwargs or {}))
+
+
 def quantization_error_bound(
     t: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format = E4M3
 ) -> torch.Tensor:

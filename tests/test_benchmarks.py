@@ -70,7 +70,7 @@ def test_moe_bench_runs():
         "moe_bench.py", "--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--seq", "32", *TIMING
     )
     table = table_rows(out)
-    assert set(table) == {"bf16-eager", "bf16-grouped", "hf-fp8"} and "error" not in out, out
+    assert set(table) == {"bf16-eager", "bf16-grouped", "hf-fp8", "hf-fp8-e4m3"} and "error" not in out, out
 
 
 def test_fsdp_bench_runs_on_two_gloo_ranks():

@@ -1,0 +1,186 @@
+"""The GEMMs of MoE experts in FP8: one grouped GEMM per projection and direction where the GPU has one
+(``torch._scaled_grouped_mm``, Hopper), else one FP8 GEMM per expert (:func:`hf_fp8.gemm.fp8_mm`,
+``torch._scaled_mm`` or its exact emulation).
+
+Rows arrive sorted by expert, ``counts[e]`` rows for expert ``e``. The grouped kernels want every
+group's rows to start at a multiple of 16 (the weight gradient contracts over them), so a
+:class:`GroupLayout` places each group at such an offset in a padded buffer with zero rows in
+between; zero rows add nothing to any product. The grouped kernels take E4M3 operands, float32
+scales per row and column (a tensorwise scale is expanded to them: the same numbers) and write
+BF16; a pairing they cannot run (an E5M2 gradient under ``format: hybrid``) runs expert by expert,
+announced once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from hf_fp8.formats import E4M3, FP8_ALIGNMENT
+from hf_fp8.gemm import fp8_mm, pad_rows
+
+__all__ = ["GroupLayout", "expert_dgrad", "expert_forward", "expert_wgrad", "group_layout"]
+
+
+class GroupLayout(NamedTuple):
+    """Where each expert's rows go in the padded buffer of the grouped kernels."""
+
+    counts: tuple[int, ...]  # rows per expert, in order
+    padded_rows: int  # rows of the padded buffer
+    offsets: torch.Tensor  # (experts,) int32: the end of each expert's padded group
+    destination: torch.Tensor  # (rows,) int64: each row's place in the padded buffer
+
+
+def group_layout(counts: tuple[int, ...], device: torch.device) -> GroupLayout:
+    """The padded layout of rows grouped by ``counts`` (each group starting at a multiple of 16)."""
+    padded = [-(-count // FP8_ALIGNMENT) * FP8_ALIGNMENT for count in counts]
+    starts, padded_starts, row, place = [], [], 0, 0
+    for count, size in zip(counts, padded, strict=True):
+        starts.append(row)
+        padded_starts.append(place)
+        row, place = row + count, place + size
+    shift = torch.tensor([p - s for p, s in zip(padded_starts, starts, strict=True)], device=device)
+    counts_t = torch.tensor(counts, device=device)
+    destination = torch.arange(row, device=device) + torch.repeat_interleave(shift, counts_t, output_size=row)
+    ends = torch.tensor(padded, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return GroupLayout(counts, place, ends, destination)
+
+
+def grouped_kernels(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs this pairing: E4M3 x E4M3 on a Hopper GPU."""
+    return (
+        hasattr(torch, "_scaled_grouped_mm")
+        and a.is_cuda
+        and torch.cuda.get_device_capability(a.device) == (9, 0)
+        and a.dtype == b.dtype == E4M3.dtype
+    )
+
+
+def expert_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_inverse: torch.Tensor,
+    w_inverse: torch.Tensor,
+    layout: GroupLayout,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x_e @ W_e.T`` for every expert e over its rows of ``x`` (FP8, (rows, in)); ``weight`` is the FP8
+    (experts, out, in) stack, any strides; the inverses are the dequantization factors."""
+    if grouped_kernels(x, weight):
+        right = weight.transpose(-2, -1)  # (experts, in, out), column-major per expert
+        right = right if right.stride(-2) == 1 else right.transpose(-2, -1).contiguous().transpose(-2, -1)
+        return _grouped(x, right, x_inverse, w_inverse, layout, out_dtype)
+    parts = [
+        _rows_mm(x[start:end], weight[e].contiguous().t(), x_inverse, w_inverse, out_dtype)
+        for e, (start, end) in _groups(layout.counts)
+    ]
+    return _cat(parts, x, weight.shape[-2], out_dtype)
+
+
+def expert_dgrad(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    dy_inverse: torch.Tensor,
+    w_inverse: torch.Tensor,
+    layout: GroupLayout,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dy_e @ W_e`` for every expert over its rows of ``dy`` (FP8, (rows, out)); ``weight`` as in
+    :func:`expert_forward`."""
+    if grouped_kernels(dy, weight):
+        right = weight if weight.stride(-2) == 1 else weight.transpose(-2, -1).contiguous().transpose(-2, -1)
+        return _grouped(dy, right, dy_inverse, w_inverse, layout, out_dtype)
+    parts = [
+        _rows_mm(dy[start:end], weight[e].t().contiguous().t(), dy_inverse, w_inverse, out_dtype)
+        for e, (start, end) in _groups(layout.counts)
+    ]
+    return _cat(parts, dy, weight.shape[-1], out_dtype)
+
+
+def expert_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dy_inverse: torch.Tensor,
+    x_inverse: torch.Tensor,
+    layout: GroupLayout,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dy_e.T @ x_e`` for every expert (an (experts, out, in) stack; zero for an expert without rows),
+    from the FP8 ``dy`` (rows, out) and ``x`` (rows, in)."""
+    experts = len(layout.counts)
+    if grouped_kernels(dy, x):
+        dy_t = _padded(dy, layout).t().contiguous()  # (out, padded rows)
+        x_col = _padded(x, layout).t().contiguous().t()  # (padded rows, in), column-major
+        grad = torch._scaled_grouped_mm(
+            dy_t,
+            x_col,
+            dy_inverse.expand(dy_t.shape[0] * experts).contiguous(),
+            x_inverse.expand(x_col.shape[1] * experts).contiguous(),
+            offs=layout.offsets,
+            out_dtype=torch.bfloat16,
+        )
+        return grad.to(out_dtype)
+    grad = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
+    for e, (start, end) in _groups(layout.counts):
+        dy_t = pad_rows(dy[start:end]).t().contiguous()
+        x_col = pad_rows(x[start:end]).t().contiguous().t()
+        grad[e] = fp8_mm(dy_t, x_col, dy_inverse, x_inverse, out_dtype)
+    return grad
+
+
+_loop_announced: set[tuple[torch.dtype, torch.dtype]] = set()
+
+
+def _grouped(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
+    layout: GroupLayout,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a_e @ b[e]`` for each group of ``a``'s rows, through the padded layout, in one kernel."""
+    padded = _padded(a, layout)
+    out = torch._scaled_grouped_mm(
+        padded,
+        b,
+        a_inverse.expand(layout.padded_rows).contiguous(),
+        b_inverse.expand(b.shape[0], b.shape[-1]).contiguous(),
+        offs=layout.offsets,
+        out_dtype=torch.bfloat16,
+    )
+    return out[layout.destination].to(out_dtype)
+
+
+def _padded(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    """``t``'s rows at their places in the padded buffer, zero rows elsewhere (FP8 copied as bytes)."""
+    padded = torch.zeros(layout.padded_rows, t.shape[1], dtype=torch.uint8, device=t.device)
+    padded.index_copy_(0, layout.destination, t.contiguous().view(torch.uint8))
+    return padded.view(t.dtype)
+
+
+def _rows_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_mm`` for one expert's rows: padded to 16 rows for the GEMM (cuBLAS wants it), sliced back."""
+    if a.is_cuda and (a.dtype, b.dtype) not in _loop_announced:
+        _loop_announced.add((a.dtype, b.dtype))
+        warnings.warn(
+            f"hf_fp8: the grouped FP8 GEMM takes E4M3 x E4M3 on Hopper; {a.dtype} x {b.dtype} here runs one "
+            "FP8 GEMM per expert (format: e4m3 gives MoE experts grouped GEMMs in the backward too)",
+            stacklevel=4,
+        )
+    return fp8_mm(pad_rows(a), b, a_inverse, b_inverse, out_dtype)[: a.shape[0]]
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor, columns: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_zeros(0, columns, dtype=out_dtype)
+
+
+def _groups(counts: tuple[int, ...]):
+    """(expert, (first row, end row)) for every expert that received rows."""
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, (start, start + count)
+        start += count
