@@ -170,11 +170,12 @@ def _fp8_experts_forward(
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # each (token, choice) pair, grouped by expert
     rows = hidden_states[order // top_k]
-    counts = tuple(torch.bincount(expert_ids, minlength=module.num_experts).tolist())
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=expert_ids.device)
+    counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # static shape, unlike bincount
     sorted_ids = expert_ids[order]
     record = module.training and torch.is_grad_enabled()
     config = module.gemm_config(hidden_states)
-    layout = group_layout(counts, hidden_states.device)
+    layout = group_layout(counts, expert_ids.numel())
 
     def project(x: torch.Tensor, name: str, roles: tuple[int, int, int]) -> torch.Tensor:
         weight = getattr(module, name)

@@ -25,27 +25,26 @@ __all__ = ["GroupLayout", "expert_dgrad", "expert_forward", "expert_wgrad", "gro
 
 
 class GroupLayout(NamedTuple):
-    """Where each expert's rows go in the padded buffer of the grouped kernels."""
+    """Where each expert's rows go in the padded buffer of the grouped kernels, computed on the device
+    (no host sync, and static shapes for ``torch.compile``)."""
 
-    counts: tuple[int, ...]  # rows per expert, in order
-    padded_rows: int  # rows of the padded buffer
+    counts: torch.Tensor  # (experts,) int64: rows per expert, in order
     offsets: torch.Tensor  # (experts,) int32: the end of each expert's padded group
     destination: torch.Tensor  # (rows,) int64: each row's place in the padded buffer
+    padded_rows: int  # rows of the padded buffer: enough for any counts (rows past the last group unread)
 
 
-def group_layout(counts: tuple[int, ...], device: torch.device) -> GroupLayout:
-    """The padded layout of rows grouped by ``counts`` (each group starting at a multiple of 16)."""
-    padded = [-(-count // FP8_ALIGNMENT) * FP8_ALIGNMENT for count in counts]
-    starts, padded_starts, row, place = [], [], 0, 0
-    for count, size in zip(counts, padded, strict=True):
-        starts.append(row)
-        padded_starts.append(place)
-        row, place = row + count, place + size
-    shift = torch.tensor([p - s for p, s in zip(padded_starts, starts, strict=True)], device=device)
-    counts_t = torch.tensor(counts, device=device)
-    destination = torch.arange(row, device=device) + torch.repeat_interleave(shift, counts_t, output_size=row)
-    ends = torch.tensor(padded, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return GroupLayout(counts, place, ends, destination)
+def group_layout(counts: torch.Tensor, rows: int) -> GroupLayout:
+    """The padded layout of ``rows`` rows grouped by ``counts`` (each group starting at a multiple of 16)."""
+    padded = (counts + FP8_ALIGNMENT - 1) // FP8_ALIGNMENT * FP8_ALIGNMENT
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)
+    destination = torch.arange(rows, device=counts.device) + torch.repeat_interleave(
+        shift, counts, output_size=rows
+    )
+    capacity = rows + counts.numel() * (FP8_ALIGNMENT - 1)
+    padded_rows = -(-capacity // FP8_ALIGNMENT) * FP8_ALIGNMENT
+    return GroupLayout(counts, ends.to(torch.int32), destination, padded_rows)
 
 
 def grouped_kernels(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -53,6 +52,7 @@ def grouped_kernels(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         hasattr(torch, "_scaled_grouped_mm")
         and a.is_cuda
+        and a.shape[0] > 0
         and torch.cuda.get_device_capability(a.device) == (9, 0)
         and a.dtype == b.dtype == E4M3.dtype
     )
@@ -74,7 +74,7 @@ def expert_forward(
         return _grouped(x, right, x_inverse, w_inverse, layout, out_dtype)
     parts = [
         _rows_mm(x[start:end], weight[e].contiguous().t(), x_inverse, w_inverse, out_dtype)
-        for e, (start, end) in _groups(layout.counts)
+        for e, (start, end) in _groups(layout)
     ]
     return _cat(parts, x, weight.shape[-2], out_dtype)
 
@@ -94,7 +94,7 @@ def expert_dgrad(
         return _grouped(dy, right, dy_inverse, w_inverse, layout, out_dtype)
     parts = [
         _rows_mm(dy[start:end], weight[e].t().contiguous().t(), dy_inverse, w_inverse, out_dtype)
-        for e, (start, end) in _groups(layout.counts)
+        for e, (start, end) in _groups(layout)
     ]
     return _cat(parts, dy, weight.shape[-1], out_dtype)
 
@@ -109,7 +109,7 @@ def expert_wgrad(
 ) -> torch.Tensor:
     """``dy_e.T @ x_e`` for every expert (an (experts, out, in) stack; zero for an expert without rows),
     from the FP8 ``dy`` (rows, out) and ``x`` (rows, in)."""
-    experts = len(layout.counts)
+    experts = layout.counts.numel()
     if grouped_kernels(dy, x):
         dy_t = _padded(dy, layout).t().contiguous()  # (out, padded rows)
         x_col = _padded(x, layout).t().contiguous().t()  # (padded rows, in), column-major
@@ -123,7 +123,7 @@ def expert_wgrad(
         )
         return grad.to(out_dtype)
     grad = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
-    for e, (start, end) in _groups(layout.counts):
+    for e, (start, end) in _groups(layout):
         dy_t = pad_rows(dy[start:end]).t().contiguous()
         x_col = pad_rows(x[start:end]).t().contiguous().t()
         grad[e] = fp8_mm(dy_t, x_col, dy_inverse, x_inverse, out_dtype)
@@ -177,10 +177,11 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor, columns: int, out_dtype:
     return torch.cat(parts) if parts else like.new_zeros(0, columns, dtype=out_dtype)
 
 
-def _groups(counts: tuple[int, ...]):
-    """(expert, (first row, end row)) for every expert that received rows."""
+def _groups(layout: GroupLayout):
+    """(expert, (first row, end row)) for every expert that received rows (reads the counts on the host:
+    the per-expert path only)."""
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(layout.counts.tolist()):
         if count:
             yield expert, (start, start + count)
         start += count

@@ -204,11 +204,61 @@ def test_eval_mode_runs_the_models_own_experts_forward():
 def test_group_layout_starts_every_expert_at_a_multiple_of_16():
     """The grouped kernels read each expert's rows from a padded buffer: rows keep their order, every
     group starts at a multiple of 16, an expert without rows takes no room."""
-    counts = (5, 0, 17, 16, 1)
-    layout = group_layout(counts, torch.device("cpu"))
+    counts = torch.tensor([5, 0, 17, 16, 1])
+    layout = group_layout(counts, 39)
     assert layout.offsets.tolist() == [16, 16, 48, 64, 80] and layout.offsets.dtype == torch.int32
-    assert layout.padded_rows == 80
+    assert layout.padded_rows == 128, "39 rows and up to 15 of padding for each of 5 experts, to 16"
     assert layout.destination.tolist() == [*range(5), *range(16, 33), *range(48, 64), 64]
+
+
+def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None):
+    """What ``torch._scaled_grouped_mm`` computes (CUDA only), in float32 on the CPU, for the two cases
+    hf-fp8 uses: groups of rows (2-D x 3-D) and groups along the contraction (2-D x 2-D, out (G, N, K))."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    a, b = a.float(), b.float()
+    if b.dim() == 3:
+        out = torch.zeros(a.shape[0], b.shape[-1])
+        for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            out[start:end] = a[start:end] * scale_a[start:end, None] @ (b[g] * scale_b[g])
+        return out.to(out_dtype)
+    n, k = a.shape[0], b.shape[1]
+    parts = [
+        (a[:, s:e] * scale_a[g * n : (g + 1) * n, None]) @ (b[s:e] * scale_b[g * k : (g + 1) * k])
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+    ]
+    return torch.stack(parts).to(out_dtype)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_grouped_branch_lays_rows_out_for_the_kernel(monkeypatch, transposed):
+    """The grouped branch (padded layout, expanded scales, operand layouts) on the CPU against the
+    per-expert GEMMs, with the kernel's reference standing in for the CUDA-only kernel (the GPU test
+    below runs the kernel itself)."""
+    import hf_fp8.grouped as grouped
+
+    counts = torch.tensor([37, 0, 16, 5, 70])
+    rows, experts, k, n = int(counts.sum()), counts.numel(), 64, 96
+    torch.manual_seed(0)
+    fp8 = torch.float8_e4m3fn
+    x, dy = torch.randn(rows, k).to(fp8), torch.randn(rows, n).to(fp8)
+    stack = torch.randn(experts, k, n) if transposed else torch.randn(experts, n, k)
+    weight = stack.to(fp8).transpose(-2, -1) if transposed else stack.to(fp8)
+    x_inv, w_inv, dy_inv = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
+    layout = group_layout(counts, rows)
+
+    def gemms():
+        return [
+            expert_forward(x, weight, x_inv, w_inv, layout, torch.float32),
+            expert_dgrad(dy, weight, dy_inv, w_inv, layout, torch.float32),
+            expert_wgrad(dy, x, dy_inv, x_inv, layout, torch.float32),
+        ]
+
+    expected = gemms()
+    monkeypatch.setattr(grouped, "grouped_kernels", lambda a, b: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", reference_scaled_grouped_mm)
+    for name, got, want in zip(("forward", "dgrad", "wgrad"), gemms(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-9 * want.abs().max().item(), msg=name)
 
 
 @pytest.mark.gpu
@@ -250,7 +300,7 @@ def test_gpu_grouped_gemms_equal_the_per_expert_gemms_on_the_same_fp8_values(tra
     x_inv, w_inv, dy_inv = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
 
     def gemms(device: str):
-        layout = group_layout(counts, torch.device(device))
+        layout = group_layout(torch.tensor(counts, device=device), rows)
         xs, ws, dys = x.to(device), weight.to(device), dy.to(device)
         inv = [t.to(device) for t in (x_inv, w_inv, dy_inv)]
         return [
