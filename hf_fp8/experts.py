@@ -103,6 +103,16 @@ class Fp8Experts(Fp8Scaled):
         original.train(self.training)
         return original
 
+    def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The two weights (unless stored in FP8): their amaxes are taken at the step's end with every
+        other layer's, so a cast with the stored scale reads the 3-D weight once, not twice."""
+        slots = {_up_name(self): UP_WEIGHT, "down_proj": DOWN_WEIGHT}
+        return [
+            (self.amax_history[role, 0], getattr(self, name))
+            for name, role in slots.items()
+            if not isinstance(getattr(self, name), Fp8StoredWeight)
+        ]
+
     # ---- FP8 storage of frozen experts ------------------------------------------------------------
 
     def expert_weights(self) -> list[torch.Tensor]:
@@ -225,8 +235,9 @@ class _GroupedFp8Linear(torch.autograd.Function):
             quantize, amax_history=amax_history, scale=scale, config=config, record=record, observer=observer
         )
         x_scale, x_fp8 = cast(x, input_role, role_names[input_role], fmt)
-        if weight_scale is None:
-            w_scale, w_fp8 = cast(weight, weight_role, role_names[weight_role], fmt)
+        if weight_scale is None:  # with a stored scale, the weight's amax is taken at the step's end
+            record_amax = not config.stored_scales[weight_role]
+            w_scale, w_fp8 = cast(weight, weight_role, role_names[weight_role], fmt, record_amax=record_amax)
         else:  # frozen experts stored in FP8
             w_scale, w_fp8 = weight_scale, weight
             if record:

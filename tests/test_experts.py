@@ -324,3 +324,20 @@ def test_gpu_hybrid_format_groups_the_forward_and_says_the_backward_runs_per_exp
     with GroupedMmCalls() as grouped, pytest.warns(UserWarning, match="runs one FP8 GEMM per expert"):
         model(**{k: v.cuda() for k, v in tm.batch_for("llama", 32).items()}).loss.backward()
     assert grouped.calls == 4 * 2, "the forwards grouped; dgrad and wgrad (E5M2 gradients) per expert"
+
+
+def test_expert_weights_have_their_amaxes_taken_at_the_step_end():
+    """As for linear layers: the first step's forward takes the weights' amaxes (it scales by them),
+    later steps' forwards leave them to the step's end; the history holds them either way."""
+    model = build("mixtral")
+    hf_fp8.patch_model(model, backend="native")
+    experts = experts_of(model)[0]
+    up_role, down_role = (Fp8Experts.ROLE_NAMES.index(f"{p}.weight") for p in ("up", "down"))
+    batch = tm.batch_for("llama", 32)
+    for step in range(2):
+        model(**batch).loss.backward()  # the step ends with the backward
+        up, down = experts.gate_up_proj.abs().max().item(), experts.down_proj.abs().max().item()
+        assert experts.amax_history[up_role, 1].item() == up, step
+        assert experts.amax_history[down_role, 1].item() == down, step
+    model(**batch)
+    assert experts.amax_history[down_role, 0] == 0, "a forward with stored scales records no weight amax"
