@@ -17,6 +17,7 @@ forwards every operation to them, and ``state_dict`` holds them as a plain tenso
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -30,7 +31,14 @@ from hf_fp8.formats import cast_to_fp8, compute_scale
 from hf_fp8.scaling import WEIGHT
 from hf_fp8.stored_weight import Fp8GatheredWeight
 
-__all__ = ["Fp8ShardedWeight", "gather_weight_in_fp8", "plain_weight", "release_weight"]
+__all__ = [
+    "Fp8ShardedWeight",
+    "check_releasable",
+    "gather_weight_in_fp8",
+    "gathers_in_fp8",
+    "plain_weight",
+    "release_weight",
+]
 
 _aten = torch.ops.aten
 # Operations whose result is still the weight (FSDP2 shards, pads and moves it with these): the result
@@ -77,6 +85,18 @@ class Fp8ShardedWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Fp8ShardedWeight({self._tensor})"
 
+    @property
+    def layer(self) -> nn.Module | None:
+        """The FP8 layer whose scale the all-gather casts with (``None`` once that layer is gone)."""
+        return self._layer()
+
+    def __deepcopy__(self, memo: dict) -> Fp8ShardedWeight:
+        """A copy that belongs to the copy of its layer (when the layer is copied along, as by
+        ``copy.deepcopy(model)``)."""
+        layer = self.layer
+        copied = Fp8ShardedWeight(copy.deepcopy(self._tensor, memo), weakref.ref(memo.get(id(layer), layer)))
+        return nn.Parameter(copied, self.requires_grad) if isinstance(self, nn.Parameter) else copied
+
     def __tensor_flatten__(self):
         return ["_tensor"], self._layer
 
@@ -100,16 +120,21 @@ class Fp8ShardedWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's shard in FP8 (as bytes, which every backend gathers), and the scale it was cast
         with; zero rows pad an uneven last shard to the size FSDP2 gathers."""
-        layer = self._layer()
+        layer = self.layer
         recipe = layer.recipe
         fmt = recipe.forward_format
+        values = self._tensor.detach()
+        # The shard's amax goes to the step's history here (the amax all-reduce at the step's end makes
+        # it the whole weight's), since the weight may still be gathered when the step ends.
+        amax = values.abs().amax().float() if values.numel() else values.new_zeros((), dtype=torch.float32)
+        with torch.no_grad():
+            layer.amax_history[WEIGHT, 0] = torch.maximum(layer.amax_history[WEIGHT, 0], amax)
         if layer.stored_scale_roles()[WEIGHT]:
             scale = layer.scale[WEIGHT].to(torch.float32, copy=True)
         else:  # no stored scale yet: the whole weight's amax, the same on every rank
-            amax = self._tensor.detach().abs().amax().float()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = compute_scale(amax, fmt, recipe.margin)
-        shard = cast_to_fp8(self._tensor.detach(), scale, fmt)
+        shard = cast_to_fp8(values, scale, fmt)
         rows = -(-outer_size[0] // mesh.size())
         if shard.shape[0] < rows:
             shard = torch.cat([shard, shard.new_zeros(rows - shard.shape[0], *shard.shape[1:])])
@@ -142,8 +167,29 @@ def gather_weight_in_fp8(layer: nn.Module) -> None:
     torch.utils.swap_tensors(weight, wrapped)
 
 
+def gathers_in_fp8(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is sharded by FSDP2 for an FP8 all-gather, or is the gathered FP8 weight: its
+    amax is then recorded by the all-gather (see ``Fp8ShardedWeight.fsdp_pre_all_gather``)."""
+    return isinstance(weight, Fp8GatheredWeight) or (
+        isinstance(weight, DTensor) and isinstance(weight.to_local(), Fp8ShardedWeight)
+    )
+
+
+def check_releasable(layer: nn.Module) -> None:
+    """Raise, before anything is changed, when ``layer`` cannot be given back: once FSDP2 has sharded
+    it, FSDP2 holds on to the FP8 layer itself (it sets the gathered weights on it, and with the FP8
+    all-gather gathers through it), so a plain layer in its place would not be trained by it."""
+    if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
+        raise ValueError(
+            "this model was sharded with fully_shard after patching: FSDP2 keeps using its FP8 layers, "
+            "so they cannot be swapped back; unpatch before sharding, or save its state_dict (plain "
+            "weights, HF keys) and load it into an unpatched model"
+        )
+
+
 def release_weight(layer: nn.Module) -> None:
-    """Undo :func:`gather_weight_in_fp8` (a no-op for a weight it did not wrap)."""
+    """Undo :func:`gather_weight_in_fp8` (a no-op for a weight it did not wrap; see
+    :func:`check_releasable` for a sharded one)."""
     weight = layer.weight
     if isinstance(weight, Fp8ShardedWeight):
         torch.utils.swap_tensors(weight, nn.Parameter(weight._tensor, weight.requires_grad))

@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.blockwise import block_linear
 from hf_fp8.formats import FP8_ALIGNMENT
-from hf_fp8.fsdp import plain_weight, release_weight
+from hf_fp8.fsdp import gathers_in_fp8, plain_weight, release_weight
 from hf_fp8.gemm import fp8_linear
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.rowwise import rowwise_linear
@@ -108,8 +108,10 @@ class Fp8Module(Fp8Scaled):
     def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The weight, under tensorwise scaling: its amax, the same whichever forward of the step reads
         it, is taken at the step's end with every other layer's in one batch. A cast with the stored
-        scale (or FSDP2's FP8 all-gather) then takes none: one reduction per layer less in the step."""
-        if self.weight_in_fp8 or self.recipe.scaling not in ("delayed", "current"):
+        scale then takes none: one reduction per layer less in the step. (FSDP2's FP8 all-gather records
+        its shard's amax itself.)"""
+        tensorwise = self.recipe.scaling in ("delayed", "current")
+        if self.weight_in_fp8 or not tensorwise or gathers_in_fp8(self.weight):
             return []
         return [(self.amax_history[WEIGHT, 0], self.weight)]
 

@@ -21,6 +21,8 @@ from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
 __all__ = ["Fp8GatheredWeight", "Fp8StoredWeight"]
 
 _aten = torch.ops.aten
+# Views of the weight that stay in FP8 (the same values, another shape or layout).
+_VIEWS = (_aten.as_strided.default, _aten.view.default, _aten.t.default, _aten.transpose.int)
 
 
 class Fp8StoredWeight(torch.Tensor):
@@ -75,7 +77,7 @@ class Fp8StoredWeight(torch.Tensor):
         if func in (_aten.detach.default, _aten.alias.default):
             (weight,) = args
             return cls(func(weight._data), weight._scale, weight.dtype, weight._margin)
-        if func in (_aten.as_strided.default, _aten.view.default):  # FSDP2 shapes its gathered weights so
+        if func in _VIEWS:  # FSDP2 shapes its gathered weights so; Conv1D transposes them
             weight, *rest = args
             return cls(func(weight._data, *rest, **kwargs), weight._scale, weight.dtype, weight._margin)
         if func is _aten.clone.default:
@@ -112,3 +114,7 @@ class Fp8GatheredWeight(Fp8StoredWeight):
     """A trainable weight as FSDP2 all-gathered it in FP8 (:mod:`hf_fp8.fsdp`), for one forward and
     backward: the FP8 layers run their GEMMs on its values, and its gradient (in the reported dtype)
     goes back to the sharded weight. Anything else sees its dequantized values, as for a stored weight."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> Fp8GatheredWeight:
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], *meta)

@@ -68,6 +68,8 @@ def main() -> None:
         w = module.weight
         data = getattr(w, "_data", w)
         seen.update(type=type(w).__name__, dtype=str(data.dtype), bytes=data.untyped_storage().nbytes())
+        if hasattr(w, "_scale"):  # gathered in FP8: the scale it was cast with, and the layer's now
+            seen.update(gathered_scale=w._scale.item(), layer_scale=module.scale[1].item())
 
     layer.register_forward_pre_hook(weight_seen)
     records = []
@@ -96,8 +98,15 @@ def main() -> None:
             if rank == 0:  # the FP8 state is the same on every rank: written once
                 hf_fp8.save_fp8_state(model, folder)
                 (folder / "step.json").write_text(json.dumps({"step": step + 1}))
+    unpatch_error = None
+    if sharded:  # FSDP2 holds on to the FP8 layers now: unpatching is refused
+        try:
+            hf_fp8.unpatch_model(model)
+        except ValueError as err:
+            unpatch_error = str(err)
+        assert hf_fp8.is_patched(model)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"world": world, "steps": records}, f)
+        json.dump({"world": world, "steps": records, "unpatch_error": unpatch_error}, f)
     if sharded:
         dist.barrier()
         dist.destroy_process_group()

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
+import torch
 from test_distributed import ranks, run
+
+import hf_fp8
+from hf_fp8 import E4M3, Fp8Linear, Fp8Recipe
+from hf_fp8.fsdp import Fp8ShardedWeight
+from hf_fp8.stored_weight import Fp8GatheredWeight, Fp8StoredWeight
 
 WORKER = Path(__file__).with_name("dist_fsdp_worker.py")
 STEPS = 6
@@ -55,8 +63,16 @@ def test_the_forward_reads_the_weight_as_all_gathered(runs):
             if runs["fp8_all_gather"]:
                 assert seen["type"] == "Fp8GatheredWeight", record["step"]
                 assert seen["dtype"] == "torch.float8_e4m3fn" and seen["bytes"] == seen["numel"]
+                if record["step"] > 0:  # cast with the layer's stored scale, refilled in place each step
+                    assert seen["gathered_scale"] == seen["layer_scale"] > 0, record["step"]
             else:
                 assert seen["dtype"] == "torch.float32" and seen["bytes"] == 4 * seen["numel"]
+
+
+def test_unpatching_a_sharded_model_is_refused_and_changes_nothing(runs):
+    """The worker checks the model is still patched after the refusal."""
+    error = json.loads((runs["sharded"] / "rank0.json").read_text())["unpatch_error"]
+    assert "fully_shard" in error and "unpatch before sharding" in error
 
 
 def test_sharded_ranks_hold_the_same_fp8_state_every_step(runs):
@@ -89,3 +105,31 @@ def test_resuming_a_sharded_checkpoint_gives_the_uninterrupted_run(runs):
     assert [r["step"] for r in resumed] == [3, 4, 5]
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert a["loss"] == b["loss"] and a["history"] == b["history"] and a["scale"] == b["scale"]
+
+
+def test_a_gathered_fp8_weight_trains_and_compiles():
+    """The layer's side of the FP8 all-gather, in one process: a weight in the form FSDP2 hands it over
+    (FP8 values and their scale, trainable) runs the GEMMs as it is, gets its gradient, and compiles."""
+    layer = Fp8Linear.from_float(torch.nn.Linear(64, 32, bias=False), Fp8Recipe(fp8_all_gather=True))
+    x = torch.randn(16, 64)
+    reference = layer.weight.detach().clone()
+    gathered = Fp8StoredWeight.quantize(reference, E4M3, 0)
+    weight = torch.nn.Parameter(Fp8GatheredWeight(gathered._data, gathered._scale, reference.dtype), True)
+    layer.weight = weight
+    expected = x @ gathered.dequantize().t()
+    for forward in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        weight.grad = None
+        out = forward(x)
+        torch.testing.assert_close(out, expected, rtol=0.15, atol=0.05)  # E4M3 input, exact weight values
+        out.sum().backward()
+        assert weight.grad is not None and weight.grad.dtype == reference.dtype
+        assert weight.grad.shape == reference.shape
+
+
+def test_a_copied_model_gathers_with_its_own_layers():
+    model = tm.build("llama")
+    hf_fp8.patch_model(model, Fp8Recipe(fp8_all_gather=True), backend="native")
+    copied = copy.deepcopy(model)
+    layer = copied.model.layers[0].mlp.up_proj
+    assert isinstance(layer.weight, Fp8ShardedWeight) and layer.weight.layer is layer
+    assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad

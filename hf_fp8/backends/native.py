@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.distributed import default_amax_group, sync_amaxes
 from hf_fp8.experts import Fp8Experts
-from hf_fp8.fsdp import gather_weight_in_fp8
+from hf_fp8.fsdp import check_releasable, gather_weight_in_fp8
 from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
@@ -122,6 +122,8 @@ class NativeBackend(Fp8Backend):
         )
 
     def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:
+        for module in self.layers:
+            check_releasable(module)  # before anything changes
         for handle in hooks:
             handle.remove()
         replace_modules(model, self.to_plain)
@@ -263,13 +265,17 @@ def record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
     """Record the amaxes the layers left to the step's end (their weights': see
     ``Fp8Scaled.step_end_amaxes``), all in one batch. A sharded weight (FSDP2) gives its local shard's;
     the all-reduce that follows makes it the whole weight's."""
-    pairs = [pair for layer in layers for pair in layer.step_end_amaxes()]
+    pairs = [(slot, _local(t)) for layer in layers for slot, t in layer.step_end_amaxes()]
+    pairs = [(slot, t) for slot, t in pairs if t.numel()]  # an FSDP2 shard may be empty
     if not pairs:
         return
-    slots = [slot for slot, _ in pairs]
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for _, t in pairs]
-    amaxes = torch._foreach_norm([t.detach() for t in tensors], math.inf, dtype=torch.float32)
-    torch._foreach_maximum_(slots, list(amaxes))
+    amaxes = torch._foreach_norm([t for _, t in pairs], math.inf, dtype=torch.float32)
+    torch._foreach_maximum_([slot for slot, _ in pairs], list(amaxes))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (its shard under FSDP2), detached."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def _weights(module: Fp8Scaled) -> list[torch.Tensor]:
