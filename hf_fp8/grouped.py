@@ -166,8 +166,8 @@ def _rows_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor
     if a.is_cuda and (a.dtype, b.dtype) not in _loop_announced:
         _loop_announced.add((a.dtype, b.dtype))
         warnings.warn(
-            f"hf_fp8: the grouped FP8 GEMM takes E4M3 x E4M3 on Hopper; {a.dtype} x {b.dtype} here runs one "
-            "FP8 GEMM per expert (format: e4m3 gives MoE experts grouped GEMMs in the backward too)",
+            f"hf_fp8: MoE experts run one FP8 GEMM per expert for {a.dtype} x {b.dtype} on this GPU: the "
+            "grouped FP8 GEMM takes E4M3 x E4M3 on Hopper (there format: e4m3 groups the backward too)",
             stacklevel=4,
         )
     return fp8_mm(pad_rows(a), b, a_inverse, b_inverse, out_dtype)[: a.shape[0]]

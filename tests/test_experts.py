@@ -213,12 +213,20 @@ def test_group_layout_starts_every_expert_at_a_multiple_of_16():
 
 def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None):
     """What ``torch._scaled_grouped_mm`` computes (CUDA only), in float32 on the CPU, for the two cases
-    hf-fp8 uses: groups of rows (2-D x 3-D) and groups along the contraction (2-D x 2-D, out (G, N, K))."""
+    hf-fp8 uses: groups of rows (2-D x 3-D) and groups along the contraction (2-D x 2-D, out (G, N, K)).
+    The arguments first pass the kernel's own checks (its meta function: layouts, scale shapes); rows
+    outside every group come back NaN, as the kernel leaves them unwritten."""
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    checked = map(meta, (a, b, scale_a, scale_b))
+    torch.ops.aten._scaled_grouped_mm(*checked, offs=meta(offs), out_dtype=out_dtype)
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
     a, b = a.float(), b.float()
     if b.dim() == 3:
-        out = torch.zeros(a.shape[0], b.shape[-1])
+        out = torch.full((a.shape[0], b.shape[-1]), float("nan"))
         for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
             out[start:end] = a[start:end] * scale_a[start:end, None] @ (b[g] * scale_b[g])
         return out.to(out_dtype)
@@ -321,7 +329,7 @@ def test_gpu_grouped_gemms_equal_the_per_expert_gemms_on_the_same_fp8_values(tra
 def test_gpu_hybrid_format_groups_the_forward_and_says_the_backward_runs_per_expert():
     model = build("mixtral").cuda()
     hf_fp8.patch_model(model, backend="native")  # hybrid: E5M2 gradients
-    with GroupedMmCalls() as grouped, pytest.warns(UserWarning, match="runs one FP8 GEMM per expert"):
+    with GroupedMmCalls() as grouped, pytest.warns(UserWarning, match="run one FP8 GEMM per expert"):
         model(**{k: v.cuda() for k, v in tm.batch_for("llama", 32).items()}).loss.backward()
     assert grouped.calls == 4 * 2, "the forwards grouped; dgrad and wgrad (E5M2 gradients) per expert"
 
