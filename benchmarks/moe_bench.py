@@ -7,7 +7,8 @@ Mixtral-8x7B's layer shape (hidden 4096, experts of 14336, top-2 of 8, 32 heads 
 ``grouped_mm`` experts implementation (one grouped BF16 GEMM per projection), ``bf16-eager`` its
 per-expert loop, ``hf-fp8`` the native backend's FP8 experts with the attention projections in FP8 too
 (default recipe, hybrid: grouped FP8 GEMMs in the forward, E5M2 gradients expert by expert), and
-``hf-fp8-e4m3`` the same with ``format: e4m3`` (grouped FP8 GEMMs in the backward too).
+``hf-fp8-e4m3`` the same with ``format: e4m3`` (grouped FP8 GEMMs in the backward too). The
+``-compile`` modes add ``hf_fp8.compile`` (block by block; ``--compile-backend`` picks the backend).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import hf_fp8
 
-MODES = ("bf16-eager", "bf16-grouped", "hf-fp8", "hf-fp8-e4m3")
+MODES = ("bf16-eager", "bf16-grouped", "bf16-grouped-compile", "hf-fp8", "hf-fp8-e4m3", "hf-fp8-e4m3-compile")
 
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
@@ -47,11 +48,14 @@ def build(layers: int, experts_implementation: str, tiny: bool, device: str) -> 
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    model = build(args.layers, "grouped_mm" if mode == "bf16-grouped" else "eager", args.tiny, args.device)
+    grouped = mode.startswith("bf16-grouped")
+    model = build(args.layers, "grouped_mm" if grouped else "eager", args.tiny, args.device)
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2 // 8  # top-2 of 8
     flops = training_flops(model, args.batch, args.seq) + 6.0 * routed * args.batch * args.seq
     if mode.startswith("hf-fp8"):
-        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3" if mode == "hf-fp8-e4m3" else "hybrid"))
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3" if "e4m3" in mode else "hybrid"))
+    if mode.endswith("-compile"):
+        hf_fp8.compile(model, backend=args.compile_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     result = measure(model, optimizer, contextlib.nullcontext, args, flops)
     return {"mode": mode, "shape": f"mixtral-{args.layers}l", **result}
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     parser.add_argument("--tiny", action="store_true", help="a tiny Mixtral: a smoke test of this script")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compile-backend", default="inductor", help="aot_eager: a smoke test")
     args = parser.parse_args(argv)
     args.shape = f"mixtral-{args.layers}l"
     modes = chosen_modes(parser, args.modes, MODES)
