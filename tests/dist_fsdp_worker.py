@@ -2,12 +2,13 @@
 every decoder layer and the root, gloo on the CPU), or unsharded in one process as the reference.
 
     python dist_fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume-from DIR] [--fp8-all-gather]
+        [--device cuda]
 
 Every run sees the same global batches (each rank its own half). It writes, per step, the loss and
 one layer's FP8 state to OUT_DIR/rank{R}.json; ``--save-at N`` checkpoints model, optimizer and FP8
 state after step N with torch.distributed.checkpoint and ``save_fp8_state``; ``--resume-from`` starts
 from such a checkpoint; ``--fp8-all-gather`` patches with the recipe's ``fp8_all_gather`` and records what
-one layer's forward reads as its weight.
+one layer's forward reads as its weight; ``--device cuda`` runs each rank on its GPU with NCCL.
 """
 
 from __future__ import annotations
@@ -38,14 +39,18 @@ def main() -> None:
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--resume-from")
     parser.add_argument("--fp8-all-gather", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
     sharded = "RANK" in os.environ
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if sharded:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
 
-    model = tm.build("llama")
+    model = tm.build("llama").to(args.device)
     hf_fp8.patch_model(model, recipe=hf_fp8.Fp8Recipe(fp8_all_gather=args.fp8_all_gather))  # before sharding
     if sharded:
         for layer in model.model.layers:
@@ -76,7 +81,7 @@ def main() -> None:
     per_rank = GLOBAL_BATCH // world
     for step in range(start, args.steps):
         ids = tm.batch_for("llama", LENGTH, batch_size=GLOBAL_BATCH, seed=100 + step)["input_ids"]
-        ids = ids[rank * per_rank : (rank + 1) * per_rank]
+        ids = ids[rank * per_rank : (rank + 1) * per_rank].to(args.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()  # the FP8 step ends when the backward has finished: amaxes reduced over the ranks
         optimizer.step()

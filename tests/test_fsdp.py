@@ -133,3 +133,22 @@ def test_a_copied_model_gathers_with_its_own_layers():
     layer = copied.model.layers[0].mlp.up_proj
     assert isinstance(layer.weight, Fp8ShardedWeight) and layer.weight.layer is layer
     assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_two_ranks_train_with_the_fp8_all_gather(tmp_path_factory):
+    """The gloo checks above, on two GPUs with NCCL: FP8 on the wire, one FP8 state, the unsharded losses,
+    and a resumed run that follows the uninterrupted one (up to the GPU's nondeterministic kernels)."""
+    options = ("--fp8-all-gather", "--device", "cuda")
+    runs = sharded_runs(tmp_path_factory, *options)
+    single = tmp_path_factory.mktemp("single_gpu")
+    run([([sys.executable, str(WORKER), str(single), str(STEPS), "--device", "cuda"], {})], single / "log")
+    rank0, rank1, reference = records(runs["sharded"], 0), records(runs["sharded"], 1), records(single)
+    for a, b, ref in zip(rank0, rank1, reference, strict=True):
+        assert a["weight_seen"]["type"] == "Fp8GatheredWeight"
+        assert a["weight_seen"]["bytes"] == a["weight_seen"]["numel"]
+        assert a["history"] == b["history"] and a["scale"] == b["scale"], a["step"]
+        assert (a["loss"] + b["loss"]) / 2 == pytest.approx(ref["loss"], rel=5e-3), a["step"]
+    for a, b in zip(records(runs["resumed"]), rank0[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
