@@ -37,7 +37,8 @@ _COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again change
 def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     """Compile ``model``'s repeated blocks and its loss function in place, and return ``model``.
 
-    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...). Call it
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...); with
+    Inductor and no ``mode``, its ``options`` get combo kernels on unless they say otherwise. Call it
     after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
     parameters and its ``state_dict`` keys.
