@@ -70,6 +70,16 @@ def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+@pytest.mark.parametrize("options", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"debug": False}}])
+def test_inductor_options_of_the_caller_go_through(options):
+    """Combo kernels are a default, not a rule: a ``mode`` (which torch.compile refuses next to
+    ``options``) or the caller's own ``options`` compile as given."""
+    torch._dynamo.reset()
+    model = llama(layers=2)
+    hf_fp8.compile(model, **options)
+    assert all(torch.isfinite(torch.tensor(train(model, steps=1))))
+
+
 def test_training_forwards_build_no_kv_cache():
     model = llama(layers=2)
     hf_fp8.compile(model, backend="aot_eager")
