@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from hf_fp8 import forward_hooks
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.backends.native import NativeBackend
-from hf_fp8.backends.registry import backend_class, is_fp8_module, plain_module
+from hf_fp8.backends.registry import auto_backend, backend_class, is_fp8_module, plain_module
 from hf_fp8.inputs import check_amax_group, check_model
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patch_state import PatchState, get_state, set_state
@@ -80,10 +80,16 @@ def patch_model(
         report = _walk(model, NativeBackend(recipe), convert=False)[0]
         report.backend = "none"
         return report
-    chosen = backend_class(backend, _device_of(model), recipe)(recipe)  # refuses before the model changes
+    # refuses before the model changes
+    device = _device_of(model)
+    chosen_class, passed_over = (
+        auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
+    )
+    chosen = chosen_class(recipe)
     report, replaced, handles = _walk(model, chosen, convert=True, fuse=fuse)
     if unmatched:
         report.notes.append(unmatched)
+    report.notes += [f"backend auto chose {chosen.name} over {why}" for why in passed_over]
     state = PatchState(recipe=recipe, backend=chosen, report=report, amax_group=amax_group, handles=handles)
     try:
         state.handles += chosen.attach(model, replaced, report)

@@ -71,6 +71,14 @@ gpu = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not te_importable(), reason="needs Transformer Engine")
 
 
+@gpu
+@needs_te
+def test_auto_takes_native_for_a_recipe_te_cannot_run_and_says_why():
+    report = patch_model(tm.build("llama").cuda(), Fp8Recipe(fp8_all_gather=True), backend="auto")
+    assert report.backend == "native"
+    assert any(n.startswith("backend auto chose native over te: fp8_all_gather") for n in report.notes)
+
+
 def train_steps(model, arch, steps=3, seed=0):
     batches = [tm.batch_for(arch, 32, seed=seed + step) for step in range(steps)]
     return tm.train(model, batches, arch, lr=1e-3, autocast=torch.bfloat16)

@@ -2,7 +2,8 @@
 layers of a model and their scaling state, whichever backend made them.
 
 A backend is a subclass of :class:`~hf_fp8.backends.base.Fp8Backend` in a file of its own, listed in
-``BACKENDS`` below; ``backend="auto"`` takes the first one, in this order, that is usable for the model.
+``BACKENDS`` below; ``backend="auto"`` takes the first one, in this order, that is usable for the model
+and can carry out the recipe.
 """
 
 from __future__ import annotations
@@ -18,22 +19,38 @@ from hf_fp8.backends.te import TeBackend
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaling_state import LayerScaling
 
-__all__ = ["BACKENDS", "backend_class", "fp8_layers", "is_fp8_module", "plain_module"]
+__all__ = ["BACKENDS", "auto_backend", "backend_class", "fp8_layers", "is_fp8_module", "plain_module"]
 
 # Preference order for backend="auto".
 BACKENDS: dict[str, type[Fp8Backend]] = {cls.name: cls for cls in (TeBackend, NativeBackend)}
 
 
 def backend_class(name: str, device: torch.device, recipe: Fp8Recipe) -> type[Fp8Backend]:
-    """The backend called ``name`` (``"auto"``: the first usable for a model on ``device``), after it
-    checked that it can carry out ``recipe`` here; raises with the reason and the way out."""
+    """The backend called ``name`` (``"auto"``: see :func:`auto_backend`), after it checked that it can
+    carry out ``recipe`` here; raises with the reason and the way out."""
     if name == "auto":
-        name = next(n for n, cls in BACKENDS.items() if cls.usable(device)[0])
+        return auto_backend(device, recipe)[0]
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *BACKENDS]}")
     chosen = BACKENDS[name]
     chosen.check(recipe)
     return chosen
+
+
+def auto_backend(device: torch.device, recipe: Fp8Recipe) -> tuple[type[Fp8Backend], list[str]]:
+    """The first backend, in preference order, that is usable for a model on ``device`` and can carry
+    out ``recipe``, and why each preferred one before it could not run the recipe."""
+    passed_over = []
+    for name, cls in BACKENDS.items():
+        if not cls.usable(device)[0]:
+            continue
+        try:
+            cls.check(recipe)
+        except ValueError as refusal:
+            passed_over.append(f"{name}: {refusal}")
+            continue
+        return cls, passed_over
+    raise ValueError(f"no backend can carry out this recipe here ({'; '.join(passed_over)})")
 
 
 def fp8_layers(model: nn.Module) -> Iterator[LayerScaling]:
