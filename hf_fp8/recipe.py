@@ -405,6 +405,8 @@ RECIPES: dict[str, Fp8Recipe] = {
     "conservative": Fp8Recipe(margin=1),
     # LoRA: frozen base weights stored in FP8, adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True),
+    # Full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend).
+    "fsdp-fp8": Fp8Recipe(fp8_all_gather=True),
     # A scale per row of each GEMM operand, from its own amax (torchao's row-wise recipes).
     "rowwise": Fp8Recipe(format="e4m3", scaling="rowwise"),
     "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),

@@ -219,6 +219,7 @@ def test_named_recipes_match_shipped_yaml_files():
             "current-scaling",
             "conservative",
             "lora-fp8",
+            "fsdp-fp8",
             "rowwise",
             "rowwise-gw-hp",
             "block",
@@ -228,6 +229,7 @@ def test_named_recipes_match_shipped_yaml_files():
         assert Fp8Recipe.from_yaml(path) == Fp8Recipe.named(name), name
     assert Fp8Recipe.named("conservative").margin == 1
     assert Fp8Recipe.named("lora-fp8").fp8_weights
+    assert Fp8Recipe.named("fsdp-fp8").fp8_all_gather
     assert Fp8Recipe.named("current-scaling").scaling == "current"
     with pytest.raises(ValueError, match="unknown recipe 'fast'"):
         Fp8Recipe.named("fast")
