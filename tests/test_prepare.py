@@ -41,3 +41,39 @@ def test_prepare_fp8_refuses_accelerates_own_fp8():
 
     with pytest.raises(ValueError, match="mixed_precision='fp8'"):
         prepare_fp8(Fp8Accelerator(), tm.build("llama"))
+
+
+def train_prepared(checkpoint: str | None, steps: range, save_at: int | None = None) -> list[float]:
+    """Steps of a prepare_fp8 loop on fixed batches; optionally resumed from, or saved to, a checkpoint
+    of accelerator.save_state."""
+    accelerator = Accelerator(cpu=True)
+    model = tm.build("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, _ = prepare_fp8(accelerator, model, optimizer)
+    if checkpoint and save_at is None:
+        accelerator.load_state(checkpoint)
+    losses = []
+    for step in steps:
+        loss = model(**tm.batch_for("llama", 32, seed=step)).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if save_at == step + 1:
+            accelerator.save_state(checkpoint)
+    return losses
+
+
+def test_accelerate_checkpoints_carry_the_fp8_state_and_resume_exactly(tmp_path):
+    checkpoint = str(tmp_path / "checkpoint")
+    uninterrupted = train_prepared(checkpoint, range(6), save_at=3)
+    assert (tmp_path / "checkpoint" / "fp8_state.safetensors").is_file()
+    assert train_prepared(checkpoint, range(3, 6)) == uninterrupted[3:]
+
+
+def test_accelerate_checkpoint_without_fp8_state_resumes_with_a_warning(tmp_path):
+    checkpoint = str(tmp_path / "checkpoint")
+    train_prepared(checkpoint, range(2), save_at=2)
+    (tmp_path / "checkpoint" / "fp8_state.safetensors").unlink()
+    with pytest.warns(UserWarning, match="no fp8_state.safetensors in .*scales start afresh"):
+        train_prepared(checkpoint, range(2, 3))
