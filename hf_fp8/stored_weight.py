@@ -21,8 +21,16 @@ from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
 __all__ = ["Fp8GatheredWeight", "Fp8StoredWeight"]
 
 _aten = torch.ops.aten
-# Views of the weight that stay in FP8 (the same values, another shape or layout).
-_VIEWS = (_aten.as_strided.default, _aten.view.default, _aten.t.default, _aten.transpose.int)
+# Views of the weight that stay in FP8 (the same values, maybe another shape or layout): FSDP2 shapes
+# its gathered weights with some, Conv1D transposes them.
+_VIEWS = (
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.as_strided.default,
+    _aten.view.default,
+    _aten.t.default,
+    _aten.transpose.int,
+)
 
 
 class Fp8StoredWeight(torch.Tensor):
@@ -74,10 +82,7 @@ class Fp8StoredWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (_aten.detach.default, _aten.alias.default):
-            (weight,) = args
-            return cls(func(weight._data), weight._scale, weight.dtype, weight._margin)
-        if func in _VIEWS:  # FSDP2 shapes its gathered weights so; Conv1D transposes them
+        if func in _VIEWS:
             weight, *rest = args
             return cls(func(weight._data, *rest, **kwargs), weight._scale, weight.dtype, weight._margin)
         if func is _aten.clone.default:
