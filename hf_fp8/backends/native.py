@@ -32,7 +32,7 @@ from hf_fp8.scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
 from hf_fp8.scaling import advance_steps
 from hf_fp8.scaling_state import LayerScaling
 
-__all__ = ["NativeBackend", "end_native_step", "record_step_end_amaxes", "update_fp8_scales"]
+__all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
 
 
 class NativeBackend(Fp8Backend):
@@ -86,13 +86,12 @@ class NativeBackend(Fp8Backend):
                 f"MoE experts scale each of their tensors as a whole (current scaling) under scaling "
                 f"{self.recipe.scaling!r}; their linear layers follow the recipe"
             )
+        # A weight another module also uses (tied embeddings) must keep its form for that module.
+        storing = self.recipe.fp8_all_gather or self.recipe.fp8_weights
+        shared = _shared_parameter_ids(model) if storing else set()
         if self.recipe.fp8_all_gather:
-            self._gather_weights_in_fp8(model, report)
+            self._gather_weights_in_fp8(shared, report)
         if self.recipe.fp8_weights:
-            # A weight another module also uses (tied embeddings) must keep its dtype for that module.
-            shared = {
-                id(p) for m in model.modules() if not isinstance(m, Fp8Scaled) for p in m.parameters(False)
-            }
             tied = [m for m in self.layers if any(id(w) in shared for w in _weights(m))]
             self.unquantized = [m for m in self.layers if m not in tied]
             self.before_forward(model)
@@ -107,10 +106,9 @@ class NativeBackend(Fp8Backend):
                 )
         return []
 
-    def _gather_weights_in_fp8(self, model: nn.Module, report: PatchReport) -> None:
+    def _gather_weights_in_fp8(self, shared: set[int], report: PatchReport) -> None:
         """``fp8_all_gather``: the trainable weights of the FP8 linear layers are all-gathered in FP8 under
-        FSDP2 (:mod:`hf_fp8.fsdp`); weights another module also uses, and experts, are not."""
-        shared = {id(p) for m in model.modules() if not isinstance(m, Fp8Scaled) for p in m.parameters(False)}
+        FSDP2 (:mod:`hf_fp8.fsdp`); ``shared`` ones (another module uses them too), and experts', are not."""
         linear = [m for m in self.layers if isinstance(m, Fp8Module)]
         chosen = [m for m in linear if m.weight.requires_grad and id(m.weight) not in shared]
         for module in chosen:
@@ -239,7 +237,7 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     layers = [layer for layer in layers if not layer.amax_history.is_meta]  # shapes only: nothing to do
     if not layers:
         return None
-    record_step_end_amaxes(layers)
+    _record_step_end_amaxes(layers)
     # Each layer's newest amaxes, a row per role in role order: one flat tensor, reduced at once.
     newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
     bad = ~torch.isfinite(newest)
@@ -261,7 +259,7 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
 
 
 @torch.no_grad()
-def record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
+def _record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
     """Record the amaxes the layers left to the step's end (their weights': see
     ``Fp8Scaled.step_end_amaxes``), all in one batch. A sharded weight (FSDP2) gives its local shard's;
     the all-reduce that follows makes it the whole weight's."""
@@ -276,6 +274,11 @@ def record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (its shard under FSDP2), detached."""
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def _shared_parameter_ids(model: nn.Module) -> set[int]:
+    """The ids of the parameters that modules other than the FP8 layers hold (tied embeddings)."""
+    return {id(p) for m in model.modules() if not isinstance(m, Fp8Scaled) for p in m.parameters(False)}
 
 
 def _weights(module: Fp8Scaled) -> list[torch.Tensor]:
