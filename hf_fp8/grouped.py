@@ -73,15 +73,7 @@ def expert_forward(
 ) -> torch.Tensor:
     """``x_e @ W_e.T`` for every expert e over its rows of ``x`` (FP8, (rows, in)); ``weight`` is the FP8
     (experts, out, in) stack, any strides; the inverses are the dequantization factors."""
-    if grouped_kernels(x, weight):
-        right = weight.transpose(-2, -1)  # (experts, in, out), column-major per expert
-        right = right if right.stride(-2) == 1 else right.transpose(-2, -1).contiguous().transpose(-2, -1)
-        return _grouped(x, right, x_inverse, w_inverse, layout, out_dtype)
-    parts = [
-        _rows_mm(x[start:end], weight[e].contiguous().t(), x_inverse, w_inverse, out_dtype)
-        for e, (start, end) in _groups(layout)
-    ]
-    return _cat(parts, x, weight.shape[-2], out_dtype)
+    return _experts_mm(x, weight.transpose(-2, -1), x_inverse, w_inverse, layout, out_dtype)
 
 
 def expert_dgrad(
@@ -94,14 +86,7 @@ def expert_dgrad(
 ) -> torch.Tensor:
     """``dy_e @ W_e`` for every expert over its rows of ``dy`` (FP8, (rows, out)); ``weight`` as in
     :func:`expert_forward`."""
-    if grouped_kernels(dy, weight):
-        right = weight if weight.stride(-2) == 1 else weight.transpose(-2, -1).contiguous().transpose(-2, -1)
-        return _grouped(dy, right, dy_inverse, w_inverse, layout, out_dtype)
-    parts = [
-        _rows_mm(dy[start:end], weight[e].t().contiguous().t(), dy_inverse, w_inverse, out_dtype)
-        for e, (start, end) in _groups(layout)
-    ]
-    return _cat(parts, dy, weight.shape[-1], out_dtype)
+    return _experts_mm(dy, weight, dy_inverse, w_inverse, layout, out_dtype)
 
 
 def expert_wgrad(
@@ -136,6 +121,24 @@ def expert_wgrad(
 
 
 _loop_announced: set[tuple[torch.dtype, torch.dtype]] = set()
+
+
+def _experts_mm(
+    a: torch.Tensor,
+    right: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
+    layout: GroupLayout,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a_e @ right[e]`` for every expert over its rows of ``a``; ``right`` is an FP8 (experts, K, N)
+    stack in any layout, made column-major per expert (what both kinds of kernel read) if it is not."""
+    if right.stride(-2) != 1:
+        right = right.transpose(-2, -1).contiguous().transpose(-2, -1)
+    if grouped_kernels(a, right):
+        return _grouped(a, right, a_inverse, b_inverse, layout, out_dtype)
+    parts = [_rows_mm(a[s:e], right[g], a_inverse, b_inverse, out_dtype) for g, (s, e) in _groups(layout)]
+    return torch.cat(parts) if parts else a.new_zeros(0, right.shape[-1], dtype=out_dtype)
 
 
 def _grouped(
@@ -176,10 +179,6 @@ def _rows_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor
             stacklevel=4,
         )
     return fp8_mm(pad_rows(a), b, a_inverse, b_inverse, out_dtype)[: a.shape[0]]
-
-
-def _cat(parts: list[torch.Tensor], like: torch.Tensor, columns: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat(parts) if parts else like.new_zeros(0, columns, dtype=out_dtype)
 
 
 def _groups(layout: GroupLayout):
