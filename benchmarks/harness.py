@@ -20,6 +20,15 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Llama-3-8B's decoder layer (its 8b shapes differ in depth only)
+_LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
+
 SHAPES = {
     # Llama-3.2-1B: hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads, tied embeddings
     "1b": dict(
@@ -41,23 +50,9 @@ SHAPES = {
         vocab_size=256,
     ),
     # Llama-3-8B's layer shape, 4 layers
-    "8b-4l": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
+    "8b-4l": dict(_LLAMA3_8B, num_hidden_layers=4),
     # Llama-3-8B's shape, all 32 layers: more than one GPU holds for full fine-tuning (fsdp_bench.py)
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
+    "8b": dict(_LLAMA3_8B, num_hidden_layers=32),
 }
 
 
