@@ -97,6 +97,23 @@ class Fp8ShardedWeight(torch.Tensor):
         copied = Fp8ShardedWeight(copy.deepcopy(self._tensor, memo), weakref.ref(memo.get(id(layer), layer)))
         return nn.Parameter(copied, self.requires_grad) if isinstance(self, nn.Parameter) else copied
 
+    def data_ptr(self) -> int:
+        """The values' address (a wrapper has no storage of its own): Accelerate's FSDP2 preparation
+        matches the optimizer's parameters to the sharded ones by it."""
+        return self._tensor.data_ptr()
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, values: torch.Tensor) -> None:
+        """``param.data = values`` (Accelerate upcasts trainable weights to float32 this way before
+        sharding): the wrapper and the values it forwards to both change."""
+        values = plain_weight(values)
+        torch.Tensor.data.__set__(self, Fp8ShardedWeight(values, self._layer))
+        self._tensor = values
+
     def __tensor_flatten__(self):
         return ["_tensor"], self._layer
 
@@ -161,10 +178,34 @@ class Fp8ShardedWeight(torch.Tensor):
 
 def gather_weight_in_fp8(layer: nn.Module) -> None:
     """Have FSDP2 all-gather ``layer.weight`` in FP8 (see the module docstring). The parameter stays the
-    same object (optimizers and tied references keep it), with the same values, shape and dtype."""
+    same object (optimizers and tied references keep it), with the same values, shape and dtype.
+
+    ``load_state_dict(assign=True)`` puts a plain tensor in the weight's place (Accelerate's FSDP2
+    preparation does, sharding on the meta device and then loading the weights); a hook on the layer
+    wraps that one too, before FSDP2's own hook takes the loaded shard."""
+    _wrap_weight(layer)
+    layer.register_load_state_dict_post_hook(_wrap_loaded_weight)
+
+
+def _wrap_weight(layer: nn.Module) -> None:
     weight = layer.weight
-    wrapped = nn.Parameter(Fp8ShardedWeight(weight.detach(), weakref.ref(layer)), weight.requires_grad)
-    torch.utils.swap_tensors(weight, wrapped)
+    values = weight.detach()
+    if isinstance(values, DTensor):  # sharded already: the shard is what the all-gather casts
+        local = Fp8ShardedWeight(values.to_local(), weakref.ref(layer))
+        mesh, placements = values.device_mesh, values.placements
+        values = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=values.shape, stride=values.stride()
+        )
+    else:
+        values = Fp8ShardedWeight(values, weakref.ref(layer))
+    torch.utils.swap_tensors(weight, nn.Parameter(values, weight.requires_grad))
+
+
+def _wrap_loaded_weight(layer: nn.Module, incompatible_keys: Any) -> None:
+    weight = layer.weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    if not isinstance(local, Fp8ShardedWeight):
+        _wrap_weight(layer)
 
 
 def gathers_in_fp8(weight: torch.Tensor) -> bool:
