@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.distributed import default_amax_group
@@ -137,7 +138,8 @@ class Fp8NanGuard:
         any rank saw and all take the same decision."""
         model = self.model
         device = next(model.parameters()).device
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # under FSDP2 each rank checks its own shards (the flags are reduced below)
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         layers = list(fp8_layers(model))
         roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
         histories = [r.amax_history for layer in layers for r in layer.roles.values()]
@@ -167,6 +169,10 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _first_non_finite_amax(bad: list[tuple[str, str, str]]) -> str:

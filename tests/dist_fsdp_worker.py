@@ -145,6 +145,7 @@ def main() -> None:
             seen.update(gathered_scale=w._scale.item(), layer_scale=module.scale[1].item())
 
     layer.register_forward_pre_hook(weight_seen)
+    guard = hf_fp8.Fp8NanGuard(model)  # it reads the sharded gradients
     records = []
     per_rank = GLOBAL_BATCH // world
     for step in range(start, args.steps):
@@ -152,6 +153,7 @@ def main() -> None:
         ids = ids[rank * per_rank : (rank + 1) * per_rank].to(args.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()  # the FP8 step ends when the backward has finished: amaxes reduced over the ranks
+        assert guard.check(step)
         optimizer.step()
         optimizer.zero_grad()
         records.append(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tiny_models as tm
 import torch
-from test_distributed import ranks, run
+from test_distributed import HF_FP8, free_port, ranks, run
 
 import hf_fp8
 from hf_fp8 import E4M3, Fp8Linear, Fp8Recipe
@@ -180,3 +180,62 @@ def test_gpu_two_ranks_train_with_the_fp8_all_gather(tmp_path_factory):
         assert (a["loss"] + b["loss"]) / 2 == pytest.approx(ref["loss"], rel=5e-3), a["step"]
     for a, b in zip(records(runs["resumed"]), rank0[3:], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def gpu_records(folder: Path, rank: int) -> dict:
+    return json.loads((folder / f"rank{rank}.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
+    """The README's command: ``hf-fp8 launch --config_file examples/fsdp2.yaml --recipe fsdp-fp8`` and a
+    script with ``prepare_fp8``: the weights are all-gathered in FP8, both ranks hold one FP8 state, and
+    a run resumed from ``accelerator.save_state`` follows the uninterrupted one."""
+    config = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.yaml"
+    launch = [str(HF_FP8), "launch", "--config_file", str(config), "--recipe", "fsdp-fp8"]
+    launch += ["--main_process_port", str(free_port()), str(WORKER)]
+    options = ("--accelerate", "--fp8-all-gather", "--device", "cuda")
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    for folder in (first, resumed):
+        folder.mkdir()
+    run([([*launch, str(first), str(STEPS), "--save-at", "3", *options], {})], first / "log")
+    checkpoint = first / "checkpoint"
+    assert (checkpoint / "fp8_state.safetensors").is_file()
+    resume = ("--resume-from", str(checkpoint))
+    run([([*launch, str(resumed), str(STEPS), *resume, *options], {})], resumed / "log")
+    rank0, rank1 = records(first, 0), records(first, 1)
+    for a, b in zip(rank0, rank1, strict=True):
+        assert a["weight_seen"]["type"] == "Fp8GatheredWeight", a["step"]
+        assert a["weight_seen"]["bytes"] == a["weight_seen"]["numel"]
+        assert a["history"] == b["history"] and a["scale"] == b["scale"], a["step"]
+    assert all(gpu_records(first, r)["optimizes_the_model"] for r in (0, 1))
+    again = records(resumed)
+    assert [r["step"] for r in again] == [3, 4, 5]
+    for a, b in zip(again, rank0[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_trainer_with_an_fsdp2_config_all_gathers_in_fp8_and_resumes(tmp_path):
+    """``TrainingArguments(fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, ...})`` with
+    ``Fp8TrainerCallback("fsdp-fp8")`` on two GPUs: sharded, FP8 on the wire, one FP8 state, checkpoints
+    with the FP8 state, and a resumed run that follows the uninterrupted one."""
+    worker = Path(__file__).with_name("dist_trainer_fsdp_worker.py")
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run([([*cmd, str(first)], env) for cmd, env in ranks(2, worker)], tmp_path / "first.log")
+    assert (first / "checkpoint-3" / "fp8_state.safetensors").is_file()
+    resume = ("--resume-from", str(first / "checkpoint-3"))
+    run([([*cmd, str(resumed), *resume], env) for cmd, env in ranks(2, worker)], tmp_path / "resumed.log")
+    a, b = gpu_records(first, 0), gpu_records(first, 1)
+    assert a["fsdp"] and b["fsdp"]
+    for x, y in zip(a["steps"], b["steps"], strict=True):
+        assert x["weight_seen"]["type"] == "Fp8GatheredWeight" and x["weight_seen"]["dtype"].startswith(
+            "torch.float8"
+        )
+        assert x["history"] == y["history"] and x["scale"] == y["scale"], x["step"]
+    again = gpu_records(resumed, 0)
+    assert [s["step"] for s in again["steps"]] == [4, 5, 6]
+    for step in ("4", "5", "6"):
+        assert again["losses"][step] == pytest.approx(a["losses"][step], rel=1e-3), step
