@@ -35,7 +35,7 @@ __all__ = [
     "Fp8ShardedWeight",
     "check_releasable",
     "gather_weight_in_fp8",
-    "gathers_in_fp8",
+    "gathered_shard",
     "plain_weight",
     "release_weight",
 ]
@@ -141,14 +141,13 @@ class Fp8ShardedWeight(torch.Tensor):
         recipe = layer.recipe
         fmt = recipe.forward_format
         values = self._tensor.detach()
-        # The shard's amax goes to the step's history here (the amax all-reduce at the step's end makes
-        # it the whole weight's), since the weight may still be gathered when the step ends.
-        amax = values.abs().amax().float() if values.numel() else values.new_zeros((), dtype=torch.float32)
-        with torch.no_grad():
-            layer.amax_history[WEIGHT, 0] = torch.maximum(layer.amax_history[WEIGHT, 0], amax)
+        # The step's end takes the weight's amax from this shard (the weight may still be gathered then,
+        # and the history must not change between a compiled forward and its backward, which saves it).
+        layer.fp8_gathered_shard = values
         if layer.stored_scale_roles()[WEIGHT]:
             scale = layer.scale[WEIGHT].to(torch.float32, copy=True)
         else:  # no stored scale yet: the whole weight's amax, the same on every rank
+            amax = values.abs().amax().float() if values.numel() else values.new_zeros((), dtype=torch.float)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = compute_scale(amax, fmt, recipe.margin)
         shard = cast_to_fp8(values, scale, fmt)
@@ -169,6 +168,11 @@ class Fp8ShardedWeight(torch.Tensor):
         of an earlier step, on the same buffer) from the second all-gather on."""
         (gathered,) = all_gather_outputs
         scale, fp8_dtype, margin = metadata
+        if scale.is_cuda:
+            # Made on FSDP2's copy-in stream, read here on the compute stream, and freed when the next
+            # all-gather replaces it: the allocator must not hand its memory back to the copy-in stream
+            # before this stream has read it (on two H200s the race gave wrong scales, then NaN).
+            scale.record_stream(torch.cuda.current_stream(scale.device))
         data = gathered.view(fp8_dtype)
         if out is not None:
             out._scale.copy_(scale)
@@ -208,12 +212,16 @@ def _wrap_loaded_weight(layer: nn.Module, incompatible_keys: Any) -> None:
         _wrap_weight(layer)
 
 
-def gathers_in_fp8(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is sharded by FSDP2 for an FP8 all-gather, or is the gathered FP8 weight: its
-    amax is then recorded by the all-gather (see ``Fp8ShardedWeight.fsdp_pre_all_gather``)."""
-    return isinstance(weight, Fp8GatheredWeight) or (
+def gathered_shard(layer: nn.Module) -> torch.Tensor | None:
+    """This rank's shard of ``layer``'s weight as FSDP2 last all-gathered it in FP8 (its values, before
+    the optimizer step), or ``None`` for a weight not all-gathered in FP8: the step's end takes the
+    weight's amax from it, whether the weight is sharded again by then or still gathered."""
+    weight = layer.weight
+    if isinstance(weight, Fp8GatheredWeight) or (
         isinstance(weight, DTensor) and isinstance(weight.to_local(), Fp8ShardedWeight)
-    )
+    ):
+        return getattr(layer, "fp8_gathered_shard", None)
+    return None
 
 
 def check_releasable(layer: nn.Module) -> None:

@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.blockwise import block_linear
 from hf_fp8.formats import FP8_ALIGNMENT
-from hf_fp8.fsdp import gathers_in_fp8, plain_weight, release_weight
+from hf_fp8.fsdp import gathered_shard, plain_weight, release_weight
 from hf_fp8.gemm import fp8_linear
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.rowwise import rowwise_linear
@@ -108,12 +108,15 @@ class Fp8Module(Fp8Scaled):
     def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The weight, under tensorwise scaling: its amax, the same whichever forward of the step reads
         it, is taken at the step's end with every other layer's in one batch. A cast with the stored
-        scale then takes none: one reduction per layer less in the step. (FSDP2's FP8 all-gather records
-        its shard's amax itself.)"""
+        scale then takes none: one reduction per layer less in the step. A weight FSDP2 all-gathers in
+        FP8 gives the shard it was gathered from."""
         tensorwise = self.recipe.scaling in ("delayed", "current")
-        if self.weight_in_fp8 or not tensorwise or gathers_in_fp8(self.weight):
+        if self.weight_in_fp8 or not tensorwise:
             return []
-        return [(self.amax_history[WEIGHT, 0], self.weight)]
+        shard = gathered_shard(self)
+        if shard is None and isinstance(self.weight, Fp8GatheredWeight):
+            return []  # gathered, but not from a shard of this rank (not under FSDP2)
+        return [(self.amax_history[WEIGHT, 0], self.weight if shard is None else shard)]
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

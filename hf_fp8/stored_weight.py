@@ -69,7 +69,8 @@ class Fp8StoredWeight(torch.Tensor):
         return (data.float() / scale).to(self.dtype)
 
     def __repr__(self) -> str:
-        return f"Fp8StoredWeight({self._data.dtype} values, scale {self._scale.item():.4g}, as {self.dtype})"
+        # no .item(): a repr must not wait for the GPU, nor fail on the fake tensors of torch.compile
+        return f"{type(self).__name__}({self._data.dtype} values, shape {tuple(self.shape)}, as {self.dtype})"
 
     # torch.compile sees through the wrapper to its two tensors.
     def __tensor_flatten__(self):
