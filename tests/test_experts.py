@@ -191,6 +191,18 @@ def test_from_pretrained_fp8_stores_the_experts_in_fp8_too(tmp_path):
     assert report.fp8_flop_share >= 0.95
 
 
+def test_hf_fp8_compile_refuses_fp8_experts_and_compiles_nothing():
+    """Compiled on an H200 (torch 2.11) the experts got zero gradients (benchmarks/RESULTS.md)."""
+    model = build("mixtral")
+    hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3"))
+    with pytest.raises(ValueError, match=r"MoE experts in FP8 \(model.layers.0.mlp.experts, \d+ in all\)"):
+        hf_fp8.compile(model, backend="aot_eager")
+    assert all(b._compiled_call_impl is None for b in model.model.layers), "nothing compiled"
+    kept = build("mixtral")  # the way out the message gives
+    hf_fp8.patch_model(kept, hf_fp8.Fp8Recipe(format="e4m3", modules_to_not_convert=["experts"]))
+    hf_fp8.compile(kept, backend="aot_eager")
+
+
 def test_eval_mode_runs_the_models_own_experts_forward():
     model = build("mixtral")
     reference = copy.deepcopy(model).eval()
