@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.inputs import check_model
 from hf_fp8.patch import patch_model
@@ -49,6 +50,8 @@ def prepare_fp8(
             "prepare_fp8: the Accelerator has mixed_precision='fp8' and would convert the model a second "
             "time; create it with mixed_precision='bf16' (hf-fp8 does the FP8 conversion)"
         )
+    if getattr(accelerator, "distributed_type", None) == "FSDP":
+        backend = backend_for_fsdp(backend)
     before = {id(p) for p in model.parameters()}
     report = patch_model(model, recipe, backend=backend)
     keep_fp8_state_with_checkpoints(accelerator, model)

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_fp8.backends.registry import backend_class
+from hf_fp8.backends.registry import backend_class, backend_for_fsdp
 from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.guard import Fp8NanGuard
@@ -275,7 +275,10 @@ def _checkpointing_requested(args: Any) -> bool:
 
 def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
-    Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later)."""
+    Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
+    arguments, a backend that trains sharded."""
+    if getattr(args, "fsdp", None):
+        return backend_for_fsdp(backend)
     if backend != "auto":
         return backend
     device = getattr(args, "device", torch.device("cpu"))

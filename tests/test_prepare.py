@@ -2,8 +2,9 @@ import pytest
 import tiny_models as tm
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
-from hf_fp8 import Fp8Linear, prepare_fp8
+from hf_fp8 import Fp8Linear, is_patched, prepare_fp8
 
 
 def test_prepare_fp8_patches_before_accelerate_and_keeps_the_optimizer():
@@ -41,6 +42,17 @@ def test_prepare_fp8_refuses_accelerates_own_fp8():
 
     with pytest.raises(ValueError, match="mixed_precision='fp8'"):
         prepare_fp8(Fp8Accelerator(), tm.build("llama"))
+
+
+def test_prepare_fp8_under_fsdp_refuses_the_te_backend_before_patching():
+    class FsdpAccelerator:  # stands in for an Accelerator with an FSDP plugin, which shards on GPUs only
+        distributed_type = DistributedType.FSDP
+        mixed_precision = "bf16"
+
+    model = tm.build("llama")
+    with pytest.raises(ValueError, match=r"te backend is not supported under FSDP.*backend='native'"):
+        prepare_fp8(FsdpAccelerator(), model, backend="te")
+    assert not is_patched(model)
 
 
 def train_prepared(checkpoint: str | None, steps: range, save_at: int | None = None) -> list[float]:

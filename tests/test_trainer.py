@@ -21,6 +21,7 @@ from hf_fp8 import (
     save_fp8_state,
 )
 from hf_fp8.assets import load_text
+from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.backends.te import recomputes_activations
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_dict
 from hf_fp8.linear import Fp8Linear
@@ -272,6 +273,17 @@ def test_model_init_builds_a_model_that_gets_patched(text_rows, tmp_path):
     assert is_patched(trainer.model)
     assert trainer.model.model.layers[0].mlp.up_proj.fp8_steps.item() == 4
     assert (tmp_path / "checkpoint-4" / FP8_STATE_FILE).is_file()
+
+
+def test_the_callback_under_fsdp_refuses_the_te_backend_and_leaves_the_model_alone(tmp_path):
+    """The callback's set-up as the Trainer calls it (a Trainer refuses fsdp in one process, before its
+    callbacks run), with arguments that shard with FSDP."""
+    model = tm.build("llama")
+    callback = Fp8TrainerCallback("hybrid-delayed", backend="te")
+    with pytest.raises(ValueError, match=r"te backend is not supported under FSDP.*backend='native'"):
+        callback.on_init_end(arguments(tmp_path, fsdp="full_shard"), None, None, model=model)
+    assert not is_patched(model)
+    assert backend_for_fsdp("auto") == "native"
 
 
 def test_fp8_state_file_checks_model_and_recipe(tmp_path):

@@ -64,6 +64,8 @@ class Fp8Backend(ABC):
     compiles: ClassVar[bool] = True
     # Why activation checkpointing does not work with this backend (None: it does).
     recompute_problem: ClassVar[str | None] = None
+    # Why a model of this backend is not to be sharded by FSDP (None: it trains sharded).
+    fsdp_problem: ClassVar[str | None] = None
     # Whether a patch of this backend can move to a module inside the patched model (PEFT's
     # merge_and_unload returns the base model of the PeftModel that was patched).
     movable: ClassVar[bool] = False

@@ -19,7 +19,15 @@ from hf_fp8.backends.te import TeBackend
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.scaling_state import LayerScaling
 
-__all__ = ["BACKENDS", "auto_backend", "backend_class", "fp8_layers", "is_fp8_module", "plain_module"]
+__all__ = [
+    "BACKENDS",
+    "auto_backend",
+    "backend_class",
+    "backend_for_fsdp",
+    "fp8_layers",
+    "is_fp8_module",
+    "plain_module",
+]
 
 # Preference order for backend="auto".
 BACKENDS: dict[str, type[Fp8Backend]] = {cls.name: cls for cls in (TeBackend, NativeBackend)}
@@ -51,6 +59,21 @@ def auto_backend(device: torch.device, recipe: Fp8Recipe) -> tuple[type[Fp8Backe
             continue
         return cls, passed_over
     raise ValueError(f"no backend can carry out this recipe here ({'; '.join(passed_over)})")
+
+
+def backend_for_fsdp(name: str) -> str:
+    """The backend to patch a model with that FSDP will shard: ``auto`` is the first backend that trains
+    sharded; a named one that does not is refused with its reason, before anything changes."""
+    if name == "auto":
+        return next(n for n, cls in BACKENDS.items() if cls.fsdp_problem is None)
+    chosen = BACKENDS.get(name)
+    if chosen is not None and chosen.fsdp_problem is not None:
+        fits = [n for n, cls in BACKENDS.items() if cls.fsdp_problem is None]
+        raise ValueError(
+            f"the {name} backend is not supported under FSDP: {chosen.fsdp_problem}; use backend={fits[0]!r} "
+            "(what 'auto' picks for a model that will be sharded)"
+        )
+    return name
 
 
 def fp8_layers(model: nn.Module) -> Iterator[LayerScaling]:

@@ -144,6 +144,10 @@ class TeBackend(Fp8Backend):
     )
     compiles = False
     recompute_problem = "would recompute layers outside te.autocast, in another precision"
+    fsdp_problem = (
+        "hf-fp8 has not tested Transformer Engine's modules sharded by FSDP, and the FP8 all-gather of "
+        "weights is the native backend's"
+    )
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         super().__init__(recipe)
