@@ -13,8 +13,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["default_amax_group", "sync_amaxes"]
+__all__ = ["default_amax_group", "local_shard", "sync_amaxes"]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (its shard when FSDP2 shards it), detached."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def default_amax_group() -> dist.ProcessGroup | None:

@@ -25,10 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hf_fp8.backends.registry import fp8_layers
-from hf_fp8.distributed import default_amax_group
+from hf_fp8.distributed import default_amax_group, local_shard
 from hf_fp8.inputs import check_model
 from hf_fp8.patch_state import get_state, patched_module
 from hf_fp8.recipe import MAX_MARGIN
@@ -139,7 +138,7 @@ class Fp8NanGuard:
         model = self.model
         device = next(model.parameters()).device
         # under FSDP2 each rank checks its own shards (the flags are reduced below)
-        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
         layers = list(fp8_layers(model))
         roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
         histories = [r.amax_history for layer in layers for r in layer.roles.values()]
@@ -169,10 +168,6 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _first_non_finite_amax(bad: list[tuple[str, str, str]]) -> str:

@@ -21,8 +21,13 @@ WORKER = Path(__file__).with_name("dist_fsdp_worker.py")
 STEPS = 6
 
 
+def result(folder: Path, rank: int = 0) -> dict:
+    """What the worker wrote for ``rank``."""
+    return json.loads((folder / f"rank{rank}.json").read_text())
+
+
 def records(folder: Path, rank: int = 0) -> list[dict]:
-    return json.loads((folder / f"rank{rank}.json").read_text())["steps"]
+    return result(folder, rank)["steps"]
 
 
 def sharded_runs(tmp_path_factory, *options: str) -> dict[str, Path]:
@@ -84,7 +89,7 @@ def test_the_forward_reads_the_weight_as_all_gathered(runs):
 
 def test_unpatching_a_sharded_model_is_refused_and_changes_nothing(runs):
     """The worker checks the model is still patched after the refusal."""
-    error = json.loads((runs["sharded"] / "rank0.json").read_text())["unpatch_error"]
+    error = result(runs["sharded"])["unpatch_error"]
     assert "fully_shard" in error and "unpatch before sharding" in error
 
 
@@ -119,7 +124,7 @@ def test_the_optimizer_updates_the_sharded_parameters(runs):
     sharded ones by their data pointers, so a weight all-gathered in FP8 (a wrapper with no storage of
     its own) must give its values' address."""
     for rank in (0, 1):
-        assert json.loads((runs["sharded"] / f"rank{rank}.json").read_text())["optimizes_the_model"]
+        assert result(runs["sharded"], rank)["optimizes_the_model"]
 
 
 def test_resuming_a_sharded_checkpoint_gives_the_uninterrupted_run(runs):
@@ -191,10 +196,6 @@ def test_gpu_two_ranks_train_with_the_fp8_all_gather(tmp_path_factory):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
-def gpu_records(folder: Path, rank: int) -> dict:
-    return json.loads((folder / f"rank{rank}.json").read_text())
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
@@ -218,7 +219,7 @@ def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
         assert a["weight_seen"]["type"] == "Fp8GatheredWeight", a["step"]
         assert a["weight_seen"]["bytes"] == a["weight_seen"]["numel"]
         assert a["history"] == b["history"] and a["scale"] == b["scale"], a["step"]
-    assert all(gpu_records(first, r)["optimizes_the_model"] for r in (0, 1))
+    assert all(result(first, r)["optimizes_the_model"] for r in (0, 1))
     again = records(resumed)
     assert [r["step"] for r in again] == [3, 4, 5]
     for a, b in zip(again, rank0[3:], strict=True):
@@ -237,14 +238,14 @@ def test_gpu_trainer_with_an_fsdp2_config_all_gathers_in_fp8_and_resumes(tmp_pat
     assert (first / "checkpoint-3" / "fp8_state.safetensors").is_file()
     resume = ("--resume-from", str(first / "checkpoint-3"))
     run([([*cmd, str(resumed), *resume], env) for cmd, env in ranks(2, worker)], tmp_path / "resumed.log")
-    a, b = gpu_records(first, 0), gpu_records(first, 1)
+    a, b = result(first, 0), result(first, 1)
     assert a["fsdp"] and b["fsdp"]
     for x, y in zip(a["steps"], b["steps"], strict=True):
         assert x["weight_seen"]["type"] == "Fp8GatheredWeight" and x["weight_seen"]["dtype"].startswith(
             "torch.float8"
         )
         assert x["history"] == y["history"] and x["scale"] == y["scale"], x["step"]
-    again = gpu_records(resumed, 0)
+    again = result(resumed, 0)
     assert [s["step"] for s in again["steps"]] == [4, 5, 6]
     for step in ("4", "5", "6"):
         assert again["losses"][step] == pytest.approx(a["losses"][step], rel=1e-3), step

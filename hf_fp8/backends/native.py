@@ -16,12 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.backends.base import Fp8Backend, Replaced
-from hf_fp8.distributed import default_amax_group, sync_amaxes
+from hf_fp8.distributed import default_amax_group, local_shard, sync_amaxes
 from hf_fp8.experts import Fp8Experts
 from hf_fp8.fsdp import check_releasable, gather_weight_in_fp8
 from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
@@ -263,17 +262,12 @@ def _record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
     """Record the amaxes the layers left to the step's end (their weights': see
     ``Fp8Scaled.step_end_amaxes``), all in one batch. A sharded weight (FSDP2) gives its local shard's;
     the all-reduce that follows makes it the whole weight's."""
-    pairs = [(slot, _local(t)) for layer in layers for slot, t in layer.step_end_amaxes()]
+    pairs = [(slot, local_shard(t)) for layer in layers for slot, t in layer.step_end_amaxes()]
     pairs = [(slot, t) for slot, t in pairs if t.numel()]  # an FSDP2 shard may be empty
     if not pairs:
         return
     amaxes = torch._foreach_norm([t for _, t in pairs], math.inf, dtype=torch.float32)
     torch._foreach_maximum_([slot for slot, _ in pairs], list(amaxes))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (its shard under FSDP2), detached."""
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
