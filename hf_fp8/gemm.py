@@ -5,14 +5,15 @@
 * wgrad    ``dW = dy.T @ x``  skipped when the weight is frozen.
 
 Accumulation is float32 inside the GEMM; outputs come back in the requested dtype; the bias is added
-in that precision. Only FP8 copies of x and W are saved for backward, so activations saved by an FP8
-layer take half the memory of BF16 ones.
+in that precision. The backward keeps x's FP8 copy (half the bytes of a BF16 activation) and the
+weight as it is: no FP8 copy of the weight lives from the forward to the backward (for an 8B model
+under FSDP2, 7 GiB of every rank's peak); the backward casts it again with the forward's scale.
 
-Written for ``torch.compile``: each operand is cast once, straight into every layout a GEMM needs
-(``x`` row-major for the forward and transposed for the weight gradient, ``dy`` likewise, ``W``
-transposed for the input gradient), so Inductor makes one kernel of a cast, its transpose and the
-amax, and fuses it into whatever produced the tensor (a norm, an activation). With delayed scaling the
-cast uses the stored scale and never waits for its own tensor's amax.
+Written for ``torch.compile``: each activation is cast once, straight into every layout a GEMM needs
+(``x`` row-major for the forward and transposed for the weight gradient, ``dy`` likewise), so Inductor
+makes one kernel of a cast, its transpose and the amax, and fuses it into whatever produced the tensor
+(a norm, an activation). With delayed scaling the cast uses the stored scale and never waits for its
+own tensor's amax.
 """
 
 from __future__ import annotations
@@ -106,22 +107,29 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 weight, WEIGHT, "weight", fmt, amax_history, scale, config, record, observer,
                 record_amax=not config.stored_scales[WEIGHT],
             )  # fmt: skip
-            w_inverse = w_scale.reciprocal()
         else:  # already in FP8: no cast, no amax
-            w_fp8, w_inverse = weight_fp8, weight_scale.reciprocal()
+            w_scale, w_fp8 = weight_scale, weight_fp8
             if record:
                 scale[WEIGHT] = weight_scale
+        w_inverse = w_scale.reciprocal()
         # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
         # W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
         out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_inverse, w_inverse, config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
 
-        # Saved in the layouts the backward GEMMs read: x.T for dW = dy.T @ x (tokens padded to 16),
-        # W.T for dx = dy @ W.
+        # x is saved in the layout dW = dy.T @ x reads: x.T, tokens padded to 16. The weight is saved as
+        # it is, not as a cast copy: a parameter (or FP8 values stored or all-gathered) that lives anyway,
+        # or that FSDP2 frees after the forward and gathers again for the backward. The backward casts
+        # it again with the forward's scale (the same FP8 values), one layer at a time: the step never
+        # holds an FP8 copy of every layer's weight. Scales are saved as made here (FSDP2 refills a
+        # gathered weight's own scale in place when it gathers it again).
         x_t = pad_rows(x_fp8).t().contiguous() if needs_w_grad else None
-        w_t = w_fp8.t().contiguous() if needs_x_grad else None
-        ctx.save_for_backward(x_t, w_t, x_inverse, w_inverse)
+        saved_weight = recast_scale = None
+        if needs_x_grad:
+            saved_weight = w_fp8 if weight_fp8 is not None else weight
+            recast_scale = None if weight_fp8 is not None else w_scale
+        ctx.save_for_backward(x_t, saved_weight, x_inverse, w_inverse, recast_scale)
         # The state buffers are updated in place by every call of the module (a module may run twice in
         # one forward), so they ride on ctx rather than through save_for_backward's version checks.
         ctx.amax_history = amax_history
@@ -136,7 +144,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_t, w_t, x_inverse, w_inverse = ctx.saved_tensors
+        x_t, saved_weight, x_inverse, w_inverse, recast_scale = ctx.saved_tensors
         config: GemmConfig = ctx.config
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
@@ -147,8 +155,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
+            w_fp8 = saved_weight
+            if recast_scale is not None:
+                w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
-            grad_x = fp8_mm(dy_fp8.contiguous(), w_t.t(), dy_inverse, w_inverse, ctx.input_dtype)
+            w_column_major = w_fp8.t().contiguous().t()
+            grad_x = fp8_mm(dy_fp8.contiguous(), w_column_major, dy_inverse, w_inverse, ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
             dy_t = pad_rows(dy_fp8).t().contiguous()

@@ -162,6 +162,42 @@ def test_input_without_grad_skips_dgrad():
     assert len(mm.calls) == 2  # forward and wgrad
 
 
+def saved_for_backward(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``layer(x)`` and the tensors its autograd graph keeps for the backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    return y, saved
+
+
+def test_the_backward_keeps_x_in_fp8_and_no_copy_of_the_weight():
+    """Between the forward and the backward a layer holds x.T in FP8 and scalars; its weight is the
+    parameter itself (cast again in the backward), so no FP8 copy of any weight waits for the backward."""
+    _, layer = make_layer(bias=False)
+    x = torch.randn(40, 64, requires_grad=True)
+    y, saved = saved_for_backward(layer, x)
+    weight_storage = layer.weight.untyped_storage().data_ptr()
+    big = [t for t in saved if t.numel() > 1]
+    copies = [(t.dtype, tuple(t.shape)) for t in big if t.untyped_storage().data_ptr() != weight_storage]
+    assert copies == [(torch.float8_e4m3fn, (64, 48))], "x.T, its 40 tokens padded to 48"
+    assert len(big) == 2, "the weight, as the parameter"
+    y.backward(torch.randn_like(y))
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_a_weight_stored_in_fp8_is_saved_as_stored_not_transposed():
+    _, layer = make_layer(bias=False)
+    layer.weight.requires_grad_(False)
+    layer.quantize_weight_()
+    x = torch.randn(32, 64, requires_grad=True)
+    y, saved = saved_for_backward(layer, x)
+    stored = layer.weight._data.untyped_storage().data_ptr()
+    assert [t.untyped_storage().data_ptr() == stored for t in saved if t.numel() > 1] == [True]
+    y.sum().backward()  # dy is all ones (exact in FP8): dx is each column's sum of the stored weight
+    expected = layer.dequantized_weight().sum(dim=0).expand_as(x)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 15, 17, 33])
 def test_token_counts_not_divisible_by_16(tokens):
     """wgrad contracts over tokens; the layer pads them with zero rows, which change nothing."""
