@@ -93,6 +93,7 @@ def _print_table(results: list[dict]) -> None:
         "vs torchao",
         "peak GiB",
         "vs bf16",
+        "warm-up peak GiB",
         "warm-up s",
         "TFLOP/s",
     ]
@@ -109,6 +110,7 @@ def _print_table(results: list[dict]) -> None:
             vs(r, "torchao"),
             f"{r['peak_gib']:.1f}",
             vs(r, own_bf16, "peak_gib"),
+            f"{r.get('warmup_peak_gib', 0.0):.1f}",
             f"{r['warmup_s']:.0f}",
             f"{r['tflops']:.0f}",
         ]

@@ -80,8 +80,9 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     """Train ``step_model`` on one random batch (forward inside ``forward_context``, backward,
     ``optimizer`` step) ``args.warmup`` times, then time ``args.steps`` steps with CUDA events: the
     median step, tokens/s, model TFLOP/s (from ``flops`` per step), the peak memory of the timed
-    steps, the last loss and the warm-up time (compilation included). With ``args.profile``, also
-    where the GPU time of a step goes."""
+    steps and of the warm-up steps (a first step that runs eagerly, before compilation, can need
+    more than the steady state, and a run must hold it too), the last loss and the warm-up time
+    (compilation included). With ``args.profile``, also where the GPU time of a step goes."""
     device = torch.device(getattr(args, "device", "cuda"))
     cuda = device.type == "cuda"
     generator = torch.Generator(device=device).manual_seed(0)
@@ -96,11 +97,15 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.warmup):
         step()
+    warmup_peak_gib = 0.0
     if cuda:
         torch.cuda.synchronize()
+        warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     warmup_s = time.perf_counter() - start
     times, losses = [], []
@@ -123,6 +128,7 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
         "tokens_per_s": args.batch * args.seq / ms * 1e3,
         "tflops": flops / ms * 1e-9,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "warmup_peak_gib": warmup_peak_gib,
         "loss": losses[-1],
         "warmup_s": warmup_s,
     }

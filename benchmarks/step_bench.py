@@ -125,11 +125,21 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ms_per_step']:.1f}",
             f"{r['tflops']:.0f}",
             f"{r['peak_gib']:.1f}",
+            f"{r['warmup_peak_gib']:.1f}",
             f"{r['warmup_s']:.0f}",
             f"{r['loss']:.4f}",
         ]
 
-    titles = ["tokens/s", "vs bf16", "ms/step", "TFLOP/s", "peak GiB", "warm-up s", "loss"]
+    titles = [
+        "tokens/s",
+        "vs bf16",
+        "ms/step",
+        "TFLOP/s",
+        "peak GiB",
+        "warm-up peak GiB",
+        "warm-up s",
+        "loss",
+    ]
     print_table(results, "bf16", titles, cells)
     return 0
 
