@@ -79,8 +79,8 @@ class Fp8Experts(Fp8Scaled):
 
     @classmethod
     def from_float(cls, experts: nn.Module, recipe: Fp8Recipe | None = None) -> Fp8Experts:
-        """An FP8 version of ``experts`` that shares its parameters and submodules; ``experts`` itself is
-        kept, unchanged, for :meth:`to_float`."""
+        """An FP8 version of ``experts`` that shares its parameters (its very parameter table) and
+        submodules; ``experts`` itself is kept for :meth:`to_float`."""
         new = _fp8_class(type(experts)).__new__(_fp8_class(type(experts)))
         new.__dict__.update(
             {

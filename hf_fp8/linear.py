@@ -41,12 +41,12 @@ class Fp8Module(Fp8Scaled):
     FORWARD_ROLES = 2
 
     def _adopt(self, source: nn.Module, recipe: Fp8Recipe | None) -> None:
-        """Take over ``source``'s weight and bias (the same Parameter objects) and its mode; ``source``
-        itself is kept, unchanged, for :meth:`to_float`."""
-        self.weight = source.weight
+        """Take over ``source``'s weight and bias (the same Parameter objects, in its very parameter
+        table) and its mode; ``source`` itself is kept for :meth:`to_float`."""
+        self.weight = source.weight  # refuses a weight that is not a Parameter
         self.bias = source.bias
-        self.train(source.training)
         self.remember_float_module(source)
+        self.train(source.training)
         self.init_fp8_state(recipe, self.weight.device)
 
     def to_float(self) -> nn.Module:

@@ -86,8 +86,12 @@ class Fp8Scaled(nn.Module):
         return self._cast_observer
 
     def remember_float_module(self, source: nn.Module) -> None:
-        """Keep the module this one was made from (sharing its parameters), to give it back on undo; kept
-        outside the submodules, so that it is not in ``state_dict`` twice."""
+        """Keep the module this one was made from, to give it back on undo, and take over its parameter
+        table: the two modules hold their parameters in one dict. Whoever replaces this module's
+        parameters (FSDP2's sharding, ``load_state_dict(assign=True)``) so replaces that module's too,
+        and the old ones are freed: kept by ``source``, they were the whole unsharded model on every
+        FSDP2 rank. ``source`` is kept outside the submodules, so it is not in ``state_dict`` twice."""
+        object.__setattr__(self, "_parameters", source._parameters)
         object.__setattr__(self, "_float_module", source)
 
     @property

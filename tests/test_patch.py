@@ -1,5 +1,7 @@
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import tiny_models as tm
@@ -445,6 +447,29 @@ def test_unpatch_keeps_parameters_shared_with_the_optimizer():
     assert model.model.layers[0].self_attn.q_proj.weight is weight
     unpatch_model(model)
     assert model.model.layers[0].self_attn.q_proj.weight is weight
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_parameters_replaced_after_patching_are_freed_and_unpatch_gives_the_new_ones(arch):
+    """FSDP2's sharding, Accelerate and ``load_state_dict(assign=True)`` replace a patched module's
+    parameters. Nothing of hf-fp8 may keep the old ones alive (under FSDP2 that was the whole unsharded
+    model on every rank, measured on two H200s), and undoing the patch gives back the new ones."""
+    model = tm.build(arch)
+    patch_model(model)
+    fp8_modules = {n: m for n, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))}
+    old = [weakref.ref(p) for m in fp8_modules.values() for p in m.parameters(recurse=False)]
+    new = {
+        (n, k): nn.Parameter(p.detach().clone())
+        for n, m in fp8_modules.items()
+        for k, p in m.named_parameters()
+    }
+    for (n, k), param in new.items():
+        setattr(fp8_modules[n], k, param)
+    del param
+    gc.collect()
+    assert len(old) >= 12 and all(ref() is None for ref in old)
+    unpatch_model(model)
+    assert all(getattr(model.get_submodule(n), k) is p for (n, k), p in new.items())
 
 
 def test_second_patch_changes_nothing():
