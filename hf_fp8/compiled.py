@@ -123,13 +123,6 @@ def _refuse_what_miscompiles(model: nn.Module) -> None:
             "(eager is exact); train this model without hf_fp8.compile, or keep the experts in high "
             "precision (modules_to_not_convert: ['experts'])"
         )
-    if any(m.recipe.fp8_all_gather for _, m in layers):
-        raise ValueError(
-            "fp8_all_gather is not compiled yet: on two H200s (torch 2.11) a compiled backward handed cuBLAS "
-            "an FP8 operand of a gathered weight in a layout its FP8 GEMM refuses "
-            "(CUBLAS_STATUS_NOT_SUPPORTED); compile with fp8_all_gather: false (weights all-gathered in "
-            "their own dtype), or train eagerly"
-        )
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

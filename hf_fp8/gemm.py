@@ -26,7 +26,7 @@ import torch
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
-__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "pad_rows", "quantize"]
+__all__ = ["GemmConfig", "column_major_copy", "fp8_linear", "fp8_mm", "pad_rows", "quantize"]
 
 
 class GemmConfig(NamedTuple):
@@ -109,8 +109,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             )  # fmt: skip
         else:  # already in FP8: no cast, no amax
             w_scale, w_fp8 = weight_scale, weight_fp8
-            if record:
-                scale[WEIGHT] = weight_scale
         w_inverse = w_scale.reciprocal()
         # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
         # W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
@@ -155,11 +153,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w_fp8 = saved_weight
-            if recast_scale is not None:
-                w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
-            w_column_major = w_fp8.t().contiguous().t()
+            if recast_scale is not None:
+                w_column_major = (
+                    cast_to_fp8(saved_weight, recast_scale, config.forward_format).t().contiguous().t()
+                )
+            elif saved_weight.stride(0) == 1:  # Conv1D stores W.T: column-major W as it is
+                w_column_major = saved_weight
+            else:
+                w_column_major = column_major_copy(saved_weight, dy_fp8)
             grad_x = fp8_mm(dy_fp8.contiguous(), w_column_major, dy_inverse, w_inverse, ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             # dW = dy.T @ x contracts over tokens, padded with zero rows to a multiple of 16.
@@ -168,6 +170,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("hf_fp8::column_major_copy", mutates_args=())
+def column_major_copy(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """A column-major copy of the 2-D ``t``, made once ``after`` exists (it only orders the copy).
+
+    For a weight already in FP8 (stored, or all-gathered by FSDP2), the input gradient's GEMM needs it
+    column-major. Made from ``t`` with plain ops, a compiled step's partitioner may make the copy in the
+    forward and keep it for the backward: under FSDP2 one byte a value of every layer's unsharded weight
+    (measured). Taking the gradient's cast as ``after`` keeps the copy in the backward, one layer at a
+    time."""
+    return t.t().contiguous().t()
+
+
+@column_major_copy.register_fake
+def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    return t.new_empty_strided(t.shape, (1, t.shape[0]))
 
 
 def quantize(

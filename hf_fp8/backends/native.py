@@ -22,13 +22,14 @@ from transformers.pytorch_utils import Conv1D
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.distributed import default_amax_group, local_shard, sync_amaxes
 from hf_fp8.experts import Fp8Experts
-from hf_fp8.fsdp import check_releasable, gather_weight_in_fp8
+from hf_fp8.formats import compute_scale
+from hf_fp8.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
 from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
 from hf_fp8.scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
-from hf_fp8.scaling import advance_steps
+from hf_fp8.scaling import WEIGHT, advance_steps
 from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
@@ -239,6 +240,7 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     _record_step_end_amaxes(layers)
     # Each layer's newest amaxes, a row per role in role order: one flat tensor, reduced at once.
     newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
+    _record_gathered_weight_scales(layers)
     bad = ~torch.isfinite(newest)
     batches: dict[tuple, list[Fp8Scaled]] = {}
     for layer in layers:
@@ -268,6 +270,17 @@ def _record_step_end_amaxes(layers: list[Fp8Scaled]) -> None:
         return
     amaxes = torch._foreach_norm([t for _, t in pairs], math.inf, dtype=torch.float32)
     torch._foreach_maximum_([slot for slot, _ in pairs], list(amaxes))
+
+
+@torch.no_grad()
+def _record_gathered_weight_scales(layers: list[Fp8Scaled]) -> None:
+    """Current scaling keeps the scale each cast applied. Every rank cast its shard of a weight FSDP2
+    all-gathers in FP8 with the whole weight's scale, known here from the reduced amax: the GEMM writes
+    no state (a compiled forward that did handed cuBLAS a misaligned scale in its backward)."""
+    for layer in layers:
+        if layer.recipe.scaling == "current" and gathered_shard(layer) is not None:
+            amax, recipe = layer.amax_history[WEIGHT, 0], layer.recipe
+            layer.scale[WEIGHT] = compute_scale(amax, recipe.forward_format, recipe.margin)
 
 
 def _shared_parameter_ids(model: nn.Module) -> set[int]:
