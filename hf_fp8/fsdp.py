@@ -18,9 +18,7 @@ forwards every operation to them, and ``state_dict`` holds them as a plain tenso
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.formats import cast_to_fp8, compute_scale
 from hf_fp8.scaling import WEIGHT
 from hf_fp8.stored_weight import Fp8GatheredWeight
 
@@ -152,7 +150,7 @@ class Fp8ShardedWeight(torch.Tensor):
             amax = values.abs().amax().float() if values.numel() else values.new_zeros((), dtype=torch.float)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = compute_scale(amax, fmt, recipe.margin)
-        shard = _cast_shard(values, scale, fmt)
+        shard = cast_to_fp8(values, scale, fmt)
         rows = -(-outer_size[0] // mesh.size())
         if shard.shape[0] < rows:
             shard = torch.cat([shard, shard.new_zeros(rows - shard.shape[0], *shard.shape[1:])])
@@ -180,20 +178,6 @@ class Fp8ShardedWeight(torch.Tensor):
             out._scale.copy_(scale)
             return None
         return Fp8GatheredWeight(data, scale, param_dtype, margin), (gathered,)
-
-
-@functools.cache
-def _fused_cast() -> Callable[..., torch.Tensor]:
-    return torch.compile(cast_to_fp8, dynamic=True, fullgraph=True)
-
-
-def _cast_shard(values: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """``cast_to_fp8`` of a shard, in one fused kernel on a GPU. It runs in FSDP2's all-gather hook,
-    outside any compiled graph, where it would otherwise take four kernels and two float32 copies of
-    the shard, twice a step for every weight."""
-    if values.is_cuda:
-        return _fused_cast()(values, scale, fmt)
-    return cast_to_fp8(values, scale, fmt)
 
 
 def gather_weight_in_fp8(layer: nn.Module) -> None:
