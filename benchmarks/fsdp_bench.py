@@ -64,7 +64,7 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     times, losses = [], []
     warmup_peak_gib = 0.0
     for step in range(args.warmup + args.steps):
-        if cuda and step == args.warmup:  # the warm-up (an eager first step, compilation) apart
+        if cuda and step == args.warmup:  # the warm-up (first steps, compilation) apart
             warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)

@@ -80,7 +80,7 @@ def measure(step_model, optimizer, forward_context, args: argparse.Namespace, fl
     """Train ``step_model`` on one random batch (forward inside ``forward_context``, backward,
     ``optimizer`` step) ``args.warmup`` times, then time ``args.steps`` steps with CUDA events: the
     median step, tokens/s, model TFLOP/s (from ``flops`` per step), the peak memory of the timed
-    steps and of the warm-up steps (a first step that runs eagerly, before compilation, can need
+    steps and of the warm-up steps (a first step that runs otherwise than the later ones can need
     more than the steady state, and a run must hold it too), the last loss and the warm-up time
     (compilation included). With ``args.profile``, also where the GPU time of a step goes."""
     device = torch.device(getattr(args, "device", "cuda"))

@@ -7,7 +7,6 @@ it is not patched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +43,6 @@ class PatchState:
     # A training forward ran in FP8 since the last step end.
     step_pending: bool = False
     calls: list[ForwardCall] = field(default_factory=list)
-    # Run after each step end until they return True (hf_fp8.compile waits for calibrated scales).
-    after_step: list[Callable[[], bool]] = field(default_factory=list)
 
 
 def get_state(model: nn.Module, own: bool = False) -> PatchState | None:

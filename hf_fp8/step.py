@@ -37,7 +37,6 @@ def end_step(state: PatchState) -> None:
     """End the pending FP8 step, if any."""
     if state.step_pending:
         state.backend.end_step(state.amax_group or default_amax_group())
-        state.after_step = [waiting for waiting in state.after_step if not waiting()]
     state.step_pending = False
 
 

@@ -186,7 +186,7 @@ def test_hf_fp8_compile_compiles_the_fp8_all_gather():
     model = tm.build("llama")
     hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
     hf_fp8.compile(model, backend="aot_eager")
-    for step in range(3):  # the first step eagerly, then compiled
+    for step in range(3):  # the first step's graph (no history yet), then the steady state's
         loss = model(**tm.batch_for("llama", 16, seed=step)).loss
         loss.backward()
         assert torch.isfinite(loss)

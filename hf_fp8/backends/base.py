@@ -150,11 +150,6 @@ class Fp8Backend(ABC):
         """End an FP8 training step: reduce the step's amaxes over ``group`` (``None``: no reduction)
         and update the scales."""
 
-    def calibrated(self) -> bool:
-        """Whether the layers' scaling has reached its steady state (delayed scaling has a history), so
-        that code compiled now is not invalidated by the next step."""
-        return True
-
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         """Switch to ``recipe`` (same format and history length: a new margin, say)."""
         self.recipe = recipe

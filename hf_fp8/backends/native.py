@@ -140,9 +140,6 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in zip(self.names, self.layers, strict=True) if not m.amax_history.is_meta]
         self.watch.submit(end_native_step([m for _, m in named], group), named)
 
-    def calibrated(self) -> bool:
-        return all(m.scale_checks_left == 0 or m.recipe.scaling != "delayed" for m in self.layers)
-
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         super().set_recipe(recipe)
         for module in self.layers:
