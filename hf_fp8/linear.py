@@ -88,7 +88,7 @@ class Fp8Module(Fp8Scaled):
             )
         stored = Fp8StoredWeight.quantize(self.weight, self.recipe.forward_format, self.recipe.margin)
         torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
-        self.scale[WEIGHT] = stored._scale  # the state says what the GEMMs apply (they write no state)
+        self.scale[WEIGHT] = stored._scale  # what the GEMMs apply (they record no scale for it)
 
     def store_weights_in_fp8(self) -> None:
         """:meth:`quantize_weight_`, under the name every native FP8 module answers to."""
