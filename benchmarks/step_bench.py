@@ -14,8 +14,7 @@ Modes:
   hf-fp8, hf-fp8-lmhead      hf-fp8's fast path: patch_model (native) + hf_fp8.compile; with the output
                              head in FP8 too
   hf-fp8-current             the same with current scaling
-  hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, eager: hf_fp8.compile refuses them
-                             (Inductor miscompiles their input gradient on torch 2.11)
+  hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, compiled
   hf-fp8-block               block scaling, compiled (emulated in the native backend: a numerics row,
                              not a speed one)
   native, native-compile     patch_model (native), eager; with torch.compile(model)
@@ -83,8 +82,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             )
         )
         hf_fp8.patch_model(model, recipe, backend="native")
-        if "rowwise" not in mode:
-            hf_fp8.compile(model, **compile_options)
+        hf_fp8.compile(model, **compile_options)
     elif mode.startswith("native"):
         hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(), backend="native")
         step_model = torch.compile(model, **compile_options) if mode.endswith("compile") else model

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
-from hf_fp8.gemm import GemmConfig
+from hf_fp8.gemm import GemmConfig, in_dtype
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
 __all__ = ["BLOCK", "block_linear", "block_quantize"]
@@ -63,7 +63,7 @@ class _BlockFp8Linear(torch.autograd.Function):
         fmt, margin = config.forward_format, config.margin
         x_q = block_quantize(x, 1, BLOCK, fmt, margin)
         w_q = block_quantize(weight, BLOCK, BLOCK, fmt, margin)
-        out = (x_q @ w_q.t()).to(config.out_dtype)
+        out = in_dtype(x_q @ w_q.t(), config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
         if record:
@@ -82,11 +82,11 @@ class _BlockFp8Linear(torch.autograd.Function):
         dy = grad_output
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = (block_quantize(dy, 1, BLOCK, fmt, margin) @ w_q).to(x.dtype)
+            grad_x = in_dtype(block_quantize(dy, 1, BLOCK, fmt, margin) @ w_q, x.dtype)
         if ctx.needs_input_grad[1]:
             dy_q = block_quantize(dy, BLOCK, 1, fmt, margin)  # 128 tokens x 1 feature
             x_q = block_quantize(x, BLOCK, 1, config.forward_format, margin)
-            grad_w = (dy_q.t() @ x_q).to(ctx.weight_dtype)
+            grad_w = in_dtype(dy_q.t() @ x_q, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:

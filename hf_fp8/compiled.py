@@ -96,28 +96,18 @@ def _with_inductor_defaults(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "options": {**_INDUCTOR_DEFAULTS, **options.get("options", {})}}
 
 
-# Recipes whose FP8 functions Inductor is known to miscompile (tests/test_scaling_recipes.py, GPU).
-_MISCOMPILED_SCALINGS = {"rowwise", "rowwise_gw_hp"}
-
-
 def _refuse_what_miscompiles(model: nn.Module) -> None:
-    """Raise, before anything is compiled, for the FP8 paths measured to train wrongly or fail when
-    compiled on the GPU (torch 2.11, H100/H200; benchmarks/RESULTS.md); each runs correctly eagerly."""
+    """Raise, before anything is compiled, for the FP8 paths measured to fail when compiled on the GPU
+    (torch 2.11, H100/H200; benchmarks/RESULTS.md); each runs correctly eagerly."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Scaled)]
-    miscompiled = {m.recipe.scaling for _, m in layers} & _MISCOMPILED_SCALINGS
-    if miscompiled:
-        raise ValueError(
-            f"scaling {sorted(miscompiled)[0]!r} is not compiled: on torch 2.11 (H100) Inductor computes the "
-            "row-wise input gradient wrongly (measured max error 15 against 0.12 allowed, eager exact); "
-            "train this recipe without hf_fp8.compile, or use scaling 'delayed' or 'current'"
-        )
-    experts = [name for name, m in layers if isinstance(m, Fp8Experts)]
+    experts = [name for name, m in layers if isinstance(m, Fp8Experts) and m.recipe.format == "hybrid"]
     if experts:
         raise ValueError(
-            f"MoE experts in FP8 ({experts[0]}, {len(experts)} in all) are not compiled yet: on an H200 "
-            "(torch 2.11) the compiled blocks gave the experts zero gradients from their first compiled step "
-            "(eager is exact); train this model without hf_fp8.compile, or keep the experts in high "
-            "precision (modules_to_not_convert: ['experts'])"
+            f"MoE experts in FP8 with E5M2 gradients (format 'hybrid': {experts[0]}, {len(experts)} in all) "
+            "are not compiled: the grouped FP8 GEMM takes E4M3 only, so their backward runs one GEMM per "
+            "expert, which reads the group sizes on the host (on torch 2.11 GPUs the compiled backward "
+            "failed to partition); use format 'e4m3' (all six expert GEMMs grouped), or keep the experts "
+            "in high precision (modules_to_not_convert: ['experts'])"
         )
 
 

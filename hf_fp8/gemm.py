@@ -26,7 +26,7 @@ import torch
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
-__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "pad_rows", "quantize"]
+__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
 
 
 class GemmConfig(NamedTuple):
@@ -221,6 +221,14 @@ def quantize(
     return chosen, t_fp8
 
 
+def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is, never a no-op ``.to()``. Such a ``.to()``
+    returns an alias, and an autograd.Function whose forward returned one lost its gradient when
+    compiled (torch 2.11 on an H100, aot_eager and Inductor alike: its backward received zeros; the MoE
+    experts trained with zero gradients). Results of this package's FP8 Functions go through here."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def pad_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (2-D) with zero rows appended up to a multiple of 16: FP8 GEMMs contract over (and cuBLAS
     wants) dimensions divisible by 16, and zero rows add nothing to a product."""
@@ -252,7 +260,7 @@ def fp8_mm(
             stacklevel=3,
         )
     out = (a.float() @ b.float()) * (a_inverse * b_inverse)
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
 
 
 def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:

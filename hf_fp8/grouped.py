@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from hf_fp8.formats import E4M3, FP8_ALIGNMENT
-from hf_fp8.gemm import fp8_mm, pad_rows
+from hf_fp8.gemm import fp8_mm, in_dtype, pad_rows
 
 __all__ = ["GroupLayout", "expert_dgrad", "expert_forward", "expert_wgrad", "group_layout"]
 
@@ -111,7 +111,7 @@ def expert_wgrad(
             offs=layout.offsets,
             out_dtype=torch.bfloat16,
         )
-        return grad.to(out_dtype)
+        return in_dtype(grad, out_dtype)
     grad = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=out_dtype, device=dy.device)
     for e, (start, end) in _groups(layout):
         dy_t = pad_rows(dy[start:end]).t().contiguous()
@@ -159,7 +159,7 @@ def _grouped(
         offs=layout.offsets,
         out_dtype=torch.bfloat16,
     )
-    return out[layout.destination].to(out_dtype)
+    return in_dtype(out[layout.destination], out_dtype)
 
 
 def _padded(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
-from hf_fp8.gemm import GemmConfig, fp8_mm, pad_rows
+from hf_fp8.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
 __all__ = ["rowwise_linear"]
@@ -106,7 +106,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
                     weight.dtype,
                 )
             else:
-                grad_w = (dy.t().to(x.dtype) @ x).to(weight.dtype)
+                grad_w = in_dtype(dy.t().to(x.dtype) @ x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
@@ -119,4 +119,4 @@ def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.d
     kernels write BF16 only (CUTLASS's, and cuBLAS's before 12.9): the product comes out in BF16 and
     is cast to ``out_dtype``."""
     kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
-    return fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype).to(out_dtype)
+    return in_dtype(fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype), out_dtype)
