@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any
 
 import torch
 from torch import nn
@@ -194,7 +193,7 @@ def _fp8_experts_forward(
         with torch.autocast(x.device.type, enabled=False):
             out = _GroupedFp8Linear.apply(
                 x, data, weight_scale, layout, module.is_transposed, module.amax_history, module.scale,
-                roles, record, config, module.cast_observer, module.ROLE_NAMES,
+                roles, record, config, module.cast_counts,
             )  # fmt: skip
         bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
         return out + bias[sorted_ids].to(out.dtype) if bias is not None else out
@@ -226,18 +225,22 @@ class _GroupedFp8Linear(torch.autograd.Function):
         roles: tuple[int, int, int],
         record: bool,
         config: GemmConfig,
-        observer: Any,
-        role_names: tuple[str, ...],
+        cast_counts: torch.Tensor | None,
     ) -> torch.Tensor:
         input_role, weight_role, grad_role = roles
         fmt = config.forward_format
         cast = functools.partial(
-            quantize, amax_history=amax_history, scale=scale, config=config, record=record, observer=observer
+            quantize,
+            amax_history=amax_history,
+            scale=scale,
+            config=config,
+            record=record,
+            cast_counts=cast_counts,
         )
-        x_scale, x_fp8 = cast(x, input_role, role_names[input_role], fmt)
+        x_scale, x_fp8 = cast(x, input_role, fmt)
         if weight_scale is None:  # with a stored scale, the weight's amax is taken at the step's end
             record_amax = not config.stored_scales[weight_role]
-            w_scale, w_fp8 = cast(weight, weight_role, role_names[weight_role], fmt, record_amax=record_amax)
+            w_scale, w_fp8 = cast(weight, weight_role, fmt, record_amax=record_amax)
         else:  # frozen experts stored in FP8
             w_scale, w_fp8 = weight_scale, weight
             if record:
@@ -248,7 +251,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse)
         ctx.layout, ctx.transposed, ctx.grad_role = layout, transposed, grad_role
         ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
-        ctx.observer, ctx.role_names = observer, role_names
+        ctx.cast_counts = cast_counts
         ctx.input_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return out
 
@@ -256,10 +259,10 @@ class _GroupedFp8Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8, w_fp8, x_inverse, w_inverse = ctx.saved_tensors
         role = ctx.grad_role
+        fmt = ctx.config.backward_format
         dy_scale, dy_fp8 = quantize(
-            grad_output, role, ctx.role_names[role], ctx.config.backward_format, ctx.amax_history, ctx.scale,
-            ctx.config, ctx.record, ctx.observer,
-        )  # fmt: skip
+            grad_output, role, fmt, ctx.amax_history, ctx.scale, ctx.config, ctx.record, ctx.cast_counts
+        )
         dy_inverse = dy_scale.reciprocal()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -267,4 +270,4 @@ class _GroupedFp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = expert_wgrad(dy_fp8, x_fp8, dy_inverse, x_inverse, ctx.layout, ctx.weight_dtype)
             grad_w = grad_w.transpose(-2, -1) if ctx.transposed else grad_w
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None

@@ -92,6 +92,18 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor | float, fmt: str | Fp8Form
     return scaled.clamp(min=-fmt.max, max=fmt.max).to(fmt.dtype)
 
 
+def cast_statistics(
+    source: torch.Tensor, scale: torch.Tensor, fp8: torch.Tensor, fmt: str | Fp8Format
+) -> torch.Tensor:
+    """What one cast did, as an int64 tensor ``[values, saturated, flushed]``: how many values ``source``
+    had, how many lay beyond the format's largest value at ``scale`` (clamped), and how many nonzero ones
+    became zero in ``fp8``. Tensor ops only, so a compiled step computes them inside its cast kernels."""
+    fmt = get_format(fmt)
+    saturated = ((source.float() * scale).abs() > fmt.max).sum()
+    flushed = ((source != 0) & (fp8.float() == 0)).sum()
+    return torch.stack([torch.full_like(saturated, source.numel()), saturated, flushed])
+
+
 def cast_to_representable(
     t: torch.Tensor, fmt: str | Fp8Format = "e4m3", scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:

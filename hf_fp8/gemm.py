@@ -23,7 +23,14 @@ from typing import NamedTuple
 
 import torch
 
-from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format, cast_to_fp8, compute_scale, gpu_has_fp8
+from hf_fp8.formats import (
+    FP8_ALIGNMENT,
+    Fp8Format,
+    cast_statistics,
+    cast_to_fp8,
+    compute_scale,
+    gpu_has_fp8,
+)
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
 __all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
@@ -52,7 +59,7 @@ def fp8_linear(
     weight_scale: torch.Tensor | None,
     record: bool,
     config: GemmConfig,
-    observer=None,
+    cast_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with all three GEMMs in FP8.
 
@@ -60,8 +67,8 @@ def fp8_linear(
     says whether this call is part of a training step (amaxes and scales are then written).
     ``weight_fp8`` and ``weight_scale`` are given when the weight is already in FP8 (stored frozen, or
     all-gathered so by FSDP2): its values and scale, used as they are; ``weight`` then only receives
-    the gradient. ``observer``, when given, sees
-    every cast a recorded call makes (see :data:`hf_fp8.scaling_state.CastObserver`).
+    the gradient. ``cast_counts``, when given, counts what every cast of a recorded call does (see
+    :class:`hf_fp8.scaling_state.CountsCasts`).
     """
     # Flattened and reshaped outside the Function: its output is then no view, so the caller may
     # change it in place (Falcon adds the attention output into the MLP's).
@@ -75,7 +82,7 @@ def fp8_linear(
         weight_scale,
         record,
         config,
-        observer,
+        cast_counts,
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -93,18 +100,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         weight_scale: torch.Tensor | None,
         record: bool,
         config: GemmConfig,
-        observer,
+        cast_counts: torch.Tensor | None,
     ) -> torch.Tensor:
 
         fmt = config.forward_format
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_scale, x_fp8 = quantize(x, INPUT, "input", fmt, amax_history, scale, config, record, observer)
+        x_scale, x_fp8 = quantize(x, INPUT, fmt, amax_history, scale, config, record, cast_counts)
         x_inverse = x_scale.reciprocal()
         if weight_fp8 is None:
             # With a stored weight scale the weight's amax is taken at the end of the step, for all
             # layers at once (see Fp8Module.step_end_amaxes), not by one more reduction per layer here.
             w_scale, w_fp8 = quantize(
-                weight, WEIGHT, "weight", fmt, amax_history, scale, config, record, observer,
+                weight, WEIGHT, fmt, amax_history, scale, config, record, cast_counts,
                 record_amax=not config.stored_scales[WEIGHT],
             )  # fmt: skip
         else:  # already in FP8: no cast, no amax
@@ -134,7 +141,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.scale = scale
         ctx.record = record
         ctx.config = config
-        ctx.observer = observer
+        ctx.cast_counts = cast_counts
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
         ctx.weight_dtype = weight.dtype  # a gathered FP8 weight reports the dtype of its gradient
@@ -147,7 +154,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         dy_scale, dy_fp8 = quantize(
-            dy, GRAD_OUTPUT, "grad_output", fmt, ctx.amax_history, ctx.scale, config, ctx.record, ctx.observer
+            dy, GRAD_OUTPUT, fmt, ctx.amax_history, ctx.scale, config, ctx.record, ctx.cast_counts
         )
         dy_inverse = dy_scale.reciprocal()
 
@@ -192,19 +199,18 @@ def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 def quantize(
     t: torch.Tensor,
     role: int,
-    role_name: str,
     fmt: Fp8Format,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
     config: GemmConfig,
     record: bool,
-    observer,
+    cast_counts: torch.Tensor | None,
     record_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
     ``role``; records ``t``'s amax when ``record`` (and ``record_amax``: a caller whose amax the step's
     end records says ``False``; a tensor without a stored scale takes its own amax whatever it says).
-    The observer sees the cast as ``role_name``."""
+    A recorded cast adds what it did to ``cast_counts[role]``."""
     stored = config.stored_scales[role]
     amax = t.detach().abs().amax().float() if (record and record_amax) or not stored else None
     if stored:
@@ -216,8 +222,8 @@ def quantize(
     if record and amax is not None:
         amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
     t_fp8 = cast_to_fp8(t, chosen, fmt)
-    if record and observer is not None:
-        observer(role_name, t.detach(), chosen, t_fp8)
+    if record and cast_counts is not None:
+        cast_counts[role] += cast_statistics(t.detach(), chosen, t_fp8, fmt)
     return chosen, t_fp8
 
 

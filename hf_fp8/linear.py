@@ -168,7 +168,7 @@ class Fp8Module(Fp8Scaled):
                 weight_scale,
                 record,
                 config,
-                self.cast_observer,
+                self.cast_counts,
             )
 
     def _fp8_repr(self) -> str:

@@ -17,7 +17,7 @@ from torch import nn
 from hf_fp8.autocast import fp8_active
 from hf_fp8.gemm import GemmConfig
 from hf_fp8.recipe import Fp8Recipe
-from hf_fp8.scaling_state import CastObserver, LayerScaling, RoleScaling
+from hf_fp8.scaling_state import LayerScaling, RoleScaling
 
 __all__ = ["STATE_BUFFERS", "Fp8Scaled", "refresh_stored_scales"]
 
@@ -39,7 +39,7 @@ class Fp8Scaled(nn.Module):
     def init_fp8_state(self, recipe: Fp8Recipe | None, device: torch.device) -> None:
         """Zeroed scaling state on ``device`` for ``recipe`` (default: the default recipe)."""
         self.recipe = recipe or Fp8Recipe()
-        self._cast_observer: CastObserver | None = None
+        self.cast_counts: torch.Tensor | None = None  # see count_casts
         roles = len(self.ROLE_NAMES)
         history = torch.zeros(roles, self.recipe.amax_history_len, device=device)
         self.register_buffer("amax_history", history, persistent=False)
@@ -77,13 +77,14 @@ class Fp8Scaled(nn.Module):
         }
         return LayerScaling(name, self, roles, {b: getattr(self, b) for b in STATE_BUFFERS})
 
-    def observe_casts(self, observer: CastObserver | None) -> None:
-        """Have ``observer`` see every cast of the next training forwards and backwards (``None``: stop)."""
-        self._cast_observer = observer
-
-    @property
-    def cast_observer(self) -> CastObserver | None:
-        return self._cast_observer
+    def count_casts(self, on: bool) -> None:
+        """Count what the casts of the following training steps do (``on``), from zero, or stop: each
+        cast adds ``[values, saturated, flushed]`` to its role's row of ``cast_counts`` (see
+        :class:`hf_fp8.scaling_state.CountsCasts`). A plain attribute, not a buffer: it is not saved,
+        synchronised or moved with the model, and a compiled block sees whether it is set."""
+        roles = len(self.ROLE_NAMES)
+        device = self.scale.device
+        self.cast_counts = torch.zeros(roles, 3, dtype=torch.int64, device=device) if on else None
 
     def remember_float_module(self, source: nn.Module) -> None:
         """Keep the module this one was made from, to give it back on undo, and take over its parameter

@@ -1,28 +1,30 @@
 """What an FP8 layer's scaling state looks like from outside, whichever backend made the layer: its
 tensors by role (for the NaN guard, telemetry and the amax sync) and by checkpoint key (for
-``fp8_state.safetensors``); and how a layer reports the casts it makes (for telemetry).
+``fp8_state.safetensors``); and how a layer counts what its casts do (for telemetry).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["CastObserver", "LayerScaling", "ObservableCasts", "RoleScaling"]
-
-# Called by an FP8 layer at each cast it makes while observed: (role, source tensor, scale, FP8 result).
-CastObserver = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
+__all__ = ["CountsCasts", "LayerScaling", "RoleScaling"]
 
 
 @runtime_checkable
-class ObservableCasts(Protocol):
-    """An FP8 layer that reports its casts to an observer (telemetry samples such layers)."""
+class CountsCasts(Protocol):
+    """An FP8 layer that counts what its casts do (telemetry samples such layers).
 
-    def observe_casts(self, observer: CastObserver | None) -> None: ...
+    While counting, each cast of a training step adds ``[values, saturated, flushed]`` to its role's row
+    of ``cast_counts`` (int64, one row per role, in the order of the layer's roles), in place and with
+    tensor ops only: a compiled step counts inside its graph."""
+
+    cast_counts: torch.Tensor | None
+
+    def count_casts(self, on: bool) -> None: ...
 
 
 @dataclass(frozen=True)

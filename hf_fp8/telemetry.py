@@ -4,67 +4,42 @@ Two kinds of numbers:
 
 * from the state every FP8 layer keeps anyway (cheap, every log): the minimum, median and maximum of
   the forward (input, weight) and backward (gradient) scales, and the largest newest amax of each;
-* from a sampled set of layers, on the steps that are logged (a real FP8 cast of the tensors the layer
-  quantized, with the scale it applied): the fraction of values that saturated (beyond the format's
-  largest value, clamped) and the fraction that flushed to zero (nonzero, cast to 0), overall and the
-  worst layer for each.
+* from a sampled set of layers, on the steps that are logged (counted by the layer's own casts, inside
+  a compiled step's graph too): the fraction of values that saturated (beyond the format's largest
+  value, clamped) and the fraction that flushed to zero (nonzero, cast to 0), overall and the worst
+  layer for each.
 
 Keys start with ``fp8/`` so they group together in TensorBoard, W&B and the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from hf_fp8.backends.registry import fp8_layers
-from hf_fp8.formats import E4M3, E5M2
-from hf_fp8.scaling_state import ObservableCasts
+from hf_fp8.scaling_state import CountsCasts
 
 __all__ = ["Fp8Telemetry"]
 
 _DIRECTIONS = ("fwd", "bwd")
 
 
-@dataclass
-class _Counts:
-    """Counters of one sampled layer, as tensors (no host sync until the log)."""
-
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    saturated: dict[str, torch.Tensor] = field(default_factory=dict)
-    flushed: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @torch.no_grad()
-    def add(self, direction: str, source: torch.Tensor, scale: torch.Tensor, fp8: torch.Tensor) -> None:
-        """Count one cast: ``fp8`` is what the layer made of ``source`` with ``scale``."""
-        fmt = E4M3 if fp8.dtype == E4M3.dtype else E5M2
-        saturated = ((source.float() * scale).abs() > fmt.max).sum()
-        flushed = ((source != 0) & (fp8.float() == 0)).sum()
-        for counter, value in (
-            (self.values, source.numel()),
-            (self.saturated, saturated),
-            (self.flushed, flushed),
-        ):
-            counter[direction] = counter.get(direction, 0) + value
-
-
 class Fp8Telemetry:
     """Scale and amax statistics of a patched model's FP8 layers, and cast statistics of a sample.
 
-    ``arm()`` before a step that will be logged has the sampled layers report their casts in that
-    step; ``collect()`` after it returns the log entries and stops the reports. Layers that report
-    their casts (the native ones) are sampled; TE's casts happen inside its kernels. Scale statistics
-    cover every FP8 layer.
+    ``arm()`` before a step that will be logged has the sampled layers count what their casts do in that
+    step; ``collect()`` after it returns the log entries and stops the counting. Layers that count their
+    casts (the native ones) are sampled; TE's casts happen inside its kernels. Scale statistics cover
+    every FP8 layer. Under ``hf_fp8.compile`` the first armed step compiles the sampled layers' blocks
+    once more, with the counting in their graphs; later armed steps reuse that graph.
     """
 
     def __init__(self, model: nn.Module, sample_layers: int = 8) -> None:
         self.model = model
-        observable = [(n, m) for n, m in model.named_modules() if isinstance(m, ObservableCasts)]
-        every = max(1, -(-len(observable) // max(sample_layers, 1)))
-        self.sampled = observable[::every][:sample_layers]
-        self._counts: dict[str, _Counts] = {}
+        counting = [(n, m) for n, m in model.named_modules() if isinstance(m, CountsCasts)]
+        every = max(1, -(-len(counting) // max(sample_layers, 1)))
+        self.sampled = counting[::every][:sample_layers]
         self.armed = False
 
     def arm(self) -> None:
@@ -72,25 +47,18 @@ class Fp8Telemetry:
         if self.armed:
             return
         self.armed = True
-        directions = {layer.name: layer.roles for layer in fp8_layers(self.model)}
-        for name, module in self.sampled:
-            counts = self._counts.setdefault(name, _Counts())
-            roles = directions[name]
-
-            def observe(role, source, scale, fp8, counts=counts, roles=roles):
-                counts.add(roles[role].direction, source, scale, fp8)
-
-            module.observe_casts(observe)
+        for _, module in self.sampled:
+            module.count_casts(True)
 
     def collect(self) -> dict[str, float | str]:
-        """The log entries for the step just finished; disarms the probes."""
-        for _, module in self.sampled:
-            module.observe_casts(None)
-        self.armed = False
+        """The log entries for the step just finished; stops the counting."""
         logs: dict[str, float | str] = {}
         logs.update(self._scale_stats())
-        logs.update(self._cast_stats())
-        self._counts.clear()
+        if self.armed:
+            logs.update(self._cast_stats())
+        for _, module in self.sampled:
+            module.count_casts(False)
+        self.armed = False
         return logs
 
     @torch.no_grad()
@@ -115,15 +83,27 @@ class Fp8Telemetry:
             logs[f"fp8/amax_{direction}"] = torch.cat(amaxes[direction]).max().item()
         return logs
 
+    def _cast_counts(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """Per direction, (layer, [values, saturated, flushed]) of each sampled layer that cast in it."""
+        directions = {layer.name: layer.roles for layer in fp8_layers(self.model)}
+        by_direction: dict[str, list[tuple[str, torch.Tensor]]] = {d: [] for d in _DIRECTIONS}
+        for name, module in self.sampled:
+            counts = module.cast_counts.cpu()
+            for direction in _DIRECTIONS:
+                rows = [i for i, role in enumerate(directions[name].values()) if role.direction == direction]
+                total = counts[rows].sum(dim=0)
+                if total[0] > 0:
+                    by_direction[direction].append((name, total.double()))
+        return by_direction
+
     def _cast_stats(self) -> dict[str, float | str]:
         logs: dict[str, float | str] = {}
-        for direction in _DIRECTIONS:
-            rows = [(name, c) for name, c in self._counts.items() if direction in c.values]
+        for direction, rows in self._cast_counts().items():
             if not rows:
                 continue
-            totals = torch.tensor([float(c.values[direction]) for _, c in rows])
-            saturated = torch.stack([torch.as_tensor(c.saturated[direction]).float().cpu() for _, c in rows])
-            flushed = torch.stack([torch.as_tensor(c.flushed[direction]).float().cpu() for _, c in rows])
+            totals = torch.stack([c[0] for _, c in rows])
+            saturated = torch.stack([c[1] for _, c in rows])
+            flushed = torch.stack([c[2] for _, c in rows])
             for label, counts in (("saturated", saturated), ("flushed", flushed)):
                 logs[f"fp8/{label}_{direction}"] = (counts.sum() / totals.sum()).item()
                 fractions = counts / totals

@@ -60,6 +60,26 @@ def test_compiled_blocks_train_exactly_as_eager_and_compile_once_per_kind_of_ste
             )
 
 
+def test_telemetry_counts_a_compiled_steps_casts_as_it_counts_an_eager_ones():
+    """The sampled layers count what their casts do inside the compiled graph (a Python callback there
+    broke tracing on the GPU): the same saturation and flush statistics as an eager step's."""
+    torch._dynamo.reset()
+    eager = llama(layers=2)
+    hf_fp8.patch_model(eager)
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled, backend="aot_eager")
+    logs = []
+    for model in (eager, compiled):
+        telemetry = hf_fp8.Fp8Telemetry(model)
+        train(model, steps=2)
+        telemetry.arm()
+        train(model, steps=1, first_seed=2)
+        logs.append(telemetry.collect())
+        assert all(m.cast_counts is None for _, m in telemetry.sampled), "counting stops at collect()"
+    assert logs[0] == logs[1]
+    assert 0 < logs[0]["fp8/flushed_fwd"] < 1 and 0 < logs[0]["fp8/saturated_bwd"] < 1
+
+
 def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing():
     torch._dynamo.reset()
     model = llama(layers=2)
