@@ -13,6 +13,8 @@ Modes:
   bf16-regional              BF16 with hf_fp8.compile (block by block)
   hf-fp8, hf-fp8-lmhead      hf-fp8's fast path: patch_model (native) + hf_fp8.compile; with the output
                              head in FP8 too
+  hf-fp8-head-backward       the same with the output head's two backward GEMMs in FP8, its forward (the
+                             logits) in BF16 (convert_lm_head: backward)
   hf-fp8-current             the same with current scaling
   hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, compiled
   hf-fp8-block               block scaling, compiled (emulated in the native backend: a numerics row,
@@ -41,6 +43,7 @@ MODES = (
     "bf16-regional",
     "hf-fp8",
     "hf-fp8-lmhead",
+    "hf-fp8-head-backward",
     "hf-fp8-current",
     "hf-fp8-rowwise",
     "hf-fp8-rowwise-gw-hp",
@@ -56,6 +59,17 @@ MODES = (
 )
 
 
+_HF_FP8_RECIPES = {
+    "hf-fp8": hf_fp8.Fp8Recipe(),
+    "hf-fp8-lmhead": hf_fp8.Fp8Recipe(convert_lm_head=True),
+    "hf-fp8-head-backward": hf_fp8.Fp8Recipe(convert_lm_head="backward"),
+    "hf-fp8-current": hf_fp8.Fp8Recipe(scaling="current"),
+    "hf-fp8-rowwise": hf_fp8.Fp8Recipe.named("rowwise"),
+    "hf-fp8-rowwise-gw-hp": hf_fp8.Fp8Recipe.named("rowwise-gw-hp"),
+    "hf-fp8-block": hf_fp8.Fp8Recipe.named("block"),
+}
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     """Build, warm up and time one mode; its model and optimizer are freed when this returns."""
     model = build(args.shape, args.device)
@@ -68,20 +82,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     elif mode == "bf16-regional":
         hf_fp8.compile(model, **compile_options)
     elif mode.startswith("hf-fp8"):
-        named = {
-            "hf-fp8-rowwise": "rowwise",
-            "hf-fp8-rowwise-gw-hp": "rowwise-gw-hp",
-            "hf-fp8-block": "block",
-        }
-        recipe = (
-            hf_fp8.Fp8Recipe.named(named[mode])
-            if mode in named
-            else hf_fp8.Fp8Recipe(
-                scaling="current" if mode.endswith("current") else "delayed",
-                convert_lm_head=mode.endswith("lmhead"),
-            )
-        )
-        hf_fp8.patch_model(model, recipe, backend="native")
+        hf_fp8.patch_model(model, _HF_FP8_RECIPES[mode], backend="native")
         hf_fp8.compile(model, **compile_options)
     elif mode.startswith("native"):
         hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(), backend="native")

@@ -2,7 +2,8 @@
 
 A decoder has one block class repeated N times. Compiling each block (regional compilation) traces
 and optimises that graph once and reuses it for every block, instead of tracing the whole model as one
-graph; the loss function is compiled on its own. What Inductor then fuses per block is what makes the
+graph; the loss function, and FP8 layers outside the blocks (a converted output head), are compiled on
+their own. What Inductor then fuses per block is what makes the
 native FP8 path fast: each cast, its transpose and its amax become one kernel, fused into the norm or
 activation that produced the tensor.
 
@@ -39,7 +40,8 @@ _COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again change
 
 
 def compile_model(model: nn.Module, **options: Any) -> nn.Module:
-    """Compile ``model``'s repeated blocks and its loss function in place, and return ``model``.
+    """Compile ``model``'s repeated blocks, the FP8 layers outside them (a converted output head) and its
+    loss function in place, and return ``model``.
 
     ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...); with
     Inductor and no ``mode``, its ``options`` get combo kernels on unless they say otherwise. Call it
@@ -77,6 +79,12 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
 
     for block in blocks:
         block.compile(**options)
+    # FP8 layers outside the blocks (an output head under convert_lm_head): eagerly, each cast of the
+    # head's large operands (the 8192 x 128256 logits' gradient, on the Llama-3 shapes) is five passes.
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for module in model.modules():
+        if isinstance(module, Fp8Scaled) and id(module) not in inside:
+            module.compile(**options)
     setattr(model, _COMPILED, True)
     return model
 

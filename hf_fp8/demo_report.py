@@ -161,8 +161,14 @@ def _recipe_line(recipe) -> str:
     return (
         f"{recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}, "
         f"FP8 weight storage {'on' if recipe.fp8_weights else 'off'}, "
-        f"output head {'FP8' if recipe.convert_lm_head else 'high precision'}"
+        f"output head {_head(recipe.convert_lm_head)}"
     )
+
+
+def _head(convert_lm_head: bool | str) -> str:
+    if convert_lm_head == "backward":
+        return "FP8 in its backward, logits in high precision"
+    return "FP8" if convert_lm_head else "high precision"
 
 
 def _device_name(device: str) -> str:

@@ -33,20 +33,23 @@ from hf_fp8.formats import (
 )
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT
 
-__all__ = ["GemmConfig", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
+__all__ = ["GemmConfig", "choose_scale", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
 
 
 class GemmConfig(NamedTuple):
     """What an FP8 linear call needs to know besides its tensors. ``stored_scales``, per role (input,
     weight, grad_output): cast with the layer's stored scale (delayed scaling once the role has a
     history); otherwise the tensor is scaled by its own amax (current scaling, and delayed scaling
-    before the role's first amax)."""
+    before the role's first amax). ``forward_in_fp8`` ``False`` runs the forward GEMM in high
+    precision and only the two backward GEMMs in FP8 (the output head under ``convert_lm_head:
+    backward``: exact logits, FP8 speed for two thirds of its FLOPs)."""
 
     forward_format: Fp8Format
     backward_format: Fp8Format
     stored_scales: tuple[bool, bool, bool]
     margin: int
     out_dtype: torch.dtype
+    forward_in_fp8: bool = True
 
 
 def fp8_linear(
@@ -105,21 +108,34 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         fmt = config.forward_format
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_scale, x_fp8 = quantize(x, INPUT, fmt, amax_history, scale, config, record, cast_counts)
-        x_inverse = x_scale.reciprocal()
-        if weight_fp8 is None:
+        x_fp8 = x_inverse = None
+        if config.forward_in_fp8 or needs_w_grad:
+            x_scale, x_fp8 = quantize(x, INPUT, fmt, amax_history, scale, config, record, cast_counts)
+            x_inverse = x_scale.reciprocal()
+        if weight_fp8 is not None:  # already in FP8: no cast, no amax
+            w_scale, w_fp8 = weight_scale, weight_fp8
+        elif config.forward_in_fp8:
             # With a stored weight scale the weight's amax is taken at the end of the step, for all
             # layers at once (see Fp8Module.step_end_amaxes), not by one more reduction per layer here.
             w_scale, w_fp8 = quantize(
                 weight, WEIGHT, fmt, amax_history, scale, config, record, cast_counts,
                 record_amax=not config.stored_scales[WEIGHT],
             )  # fmt: skip
-        else:  # already in FP8: no cast, no amax
-            w_scale, w_fp8 = weight_scale, weight_fp8
+        else:  # the backward casts the weight, with this scale
+            w_scale = choose_scale(
+                weight, WEIGHT, fmt, amax_history, scale, config, record,
+                record_amax=not config.stored_scales[WEIGHT],
+            )  # fmt: skip
+            w_fp8 = None
         w_inverse = w_scale.reciprocal()
-        # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major is
-        # W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
-        out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_inverse, w_inverse, config.out_dtype)
+        if config.forward_in_fp8:
+            # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major
+            # is W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
+            out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_inverse, w_inverse, config.out_dtype)
+        else:
+            plain = weight if weight_fp8 is None else weight_fp8.float() * w_inverse
+            dtype = config.out_dtype
+            out = torch.mm(x.to(dtype), plain.to(dtype).t())
         if bias is not None:
             out = out + bias.to(config.out_dtype)
 
@@ -208,9 +224,28 @@ def quantize(
     record_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
-    ``role``; records ``t``'s amax when ``record`` (and ``record_amax``: a caller whose amax the step's
-    end records says ``False``; a tensor without a stored scale takes its own amax whatever it says).
-    A recorded cast adds what it did to ``cast_counts[role]``."""
+    ``role`` (see :func:`choose_scale`); a recorded cast adds what it did to ``cast_counts[role]``."""
+    chosen = choose_scale(t, role, fmt, amax_history, scale, config, record, record_amax)
+    t_fp8 = cast_to_fp8(t, chosen, fmt)
+    if record and cast_counts is not None:
+        cast_counts[role] += cast_statistics(t.detach(), chosen, t_fp8, fmt)
+    return chosen, t_fp8
+
+
+def choose_scale(
+    t: torch.Tensor,
+    role: int,
+    fmt: Fp8Format,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    config: GemmConfig,
+    record: bool,
+    record_amax: bool = True,
+) -> torch.Tensor:
+    """The scale ``t`` is cast with in this step, for the scaling state's row ``role``: the stored one
+    (delayed scaling with a history), else from ``t``'s own amax. Records ``t``'s amax when ``record``
+    (and ``record_amax``: a caller whose amax the step's end records says ``False``; a tensor without
+    a stored scale takes its own amax whatever it says)."""
     stored = config.stored_scales[role]
     amax = t.detach().abs().amax().float() if (record and record_amax) or not stored else None
     if stored:
@@ -221,10 +256,7 @@ def quantize(
             scale[role] = chosen
     if record and amax is not None:
         amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
-    t_fp8 = cast_to_fp8(t, chosen, fmt)
-    if record and cast_counts is not None:
-        cast_counts[role] += cast_statistics(t.detach(), chosen, t_fp8, fmt)
-    return chosen, t_fp8
+    return chosen
 
 
 def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

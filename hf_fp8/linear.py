@@ -39,8 +39,10 @@ class Fp8Module(Fp8Scaled):
 
     ROLE_NAMES = ROLES
     FORWARD_ROLES = 2
+    # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)
+    forward_in_fp8: bool = True
 
-    def _adopt(self, source: nn.Module, recipe: Fp8Recipe | None) -> None:
+    def _adopt(self, source: nn.Module, recipe: Fp8Recipe | None, forward_in_fp8: bool) -> None:
         """Take over ``source``'s weight and bias (the same Parameter objects, in its very parameter
         table) and its mode; ``source`` itself is kept for :meth:`to_float`."""
         self.weight = source.weight  # refuses a weight that is not a Parameter
@@ -48,6 +50,13 @@ class Fp8Module(Fp8Scaled):
         self.remember_float_module(source)
         self.train(source.training)
         self.init_fp8_state(recipe, self.weight.device)
+        if not forward_in_fp8:
+            if self.recipe.scaling not in ("delayed", "current"):
+                raise ValueError(
+                    f"a forward in high precision with FP8 backward GEMMs is built for tensorwise scaling; "
+                    f"scaling {self.recipe.scaling!r} runs every GEMM in FP8: use 'delayed' or 'current'"
+                )
+            self.forward_in_fp8 = False
 
     def to_float(self) -> nn.Module:
         """The layer this one was made from (its class, a subclass of ``nn.Linear`` included), with the
@@ -143,7 +152,7 @@ class Fp8Module(Fp8Scaled):
             weight_fp8 = weight_fp8.t() if weight_fp8 is not None else None
         weight_scale = self.weight._scale if stored or gathered else None
         device_type = x.device.type
-        config = self.gemm_config(x)
+        config = self.gemm_config(x)._replace(forward_in_fp8=self.forward_in_fp8)
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
@@ -173,7 +182,8 @@ class Fp8Module(Fp8Scaled):
 
     def _fp8_repr(self) -> str:
         r = self.recipe
-        return f"format={r.format}, scaling={r.scaling}, margin={r.margin}"
+        forward = "" if self.forward_in_fp8 else ", forward in high precision"
+        return f"format={r.format}, scaling={r.scaling}, margin={r.margin}{forward}"
 
 
 class Fp8Linear(Fp8Module, nn.Linear):
@@ -196,12 +206,15 @@ class Fp8Linear(Fp8Module, nn.Linear):
         self.init_fp8_state(recipe, self.weight.device)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
+    def from_float(
+        cls, linear: nn.Linear, recipe: Fp8Recipe | None = None, forward_in_fp8: bool = True
+    ) -> Fp8Linear:
         """An ``Fp8Linear`` that shares ``linear``'s parameters (same objects, so optimizers and tied
-        weights stay valid)."""
+        weights stay valid); ``forward_in_fp8=False`` keeps its forward GEMM in high precision and
+        runs only the backward's two in FP8 (for the output head: exact logits)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
-        new._adopt(linear, recipe)
+        new._adopt(linear, recipe, forward_in_fp8)
         return new
 
     def _plain_layer(self) -> nn.Linear:
@@ -227,11 +240,13 @@ class Fp8Conv1D(Fp8Module, Conv1D):
         self.init_fp8_state(recipe, self.weight.device)
 
     @classmethod
-    def from_float(cls, conv: Conv1D, recipe: Fp8Recipe | None = None) -> Fp8Conv1D:
-        """An ``Fp8Conv1D`` sharing ``conv``'s parameters."""
+    def from_float(
+        cls, conv: Conv1D, recipe: Fp8Recipe | None = None, forward_in_fp8: bool = True
+    ) -> Fp8Conv1D:
+        """An ``Fp8Conv1D`` sharing ``conv``'s parameters (``forward_in_fp8`` as for ``Fp8Linear``)."""
         with torch.device("meta"):
             new = cls(conv.nf, conv.nx, recipe=recipe)
-        new._adopt(conv, recipe)
+        new._adopt(conv, recipe, forward_in_fp8)
         return new
 
     def _plain_layer(self) -> Conv1D:

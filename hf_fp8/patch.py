@@ -208,7 +208,7 @@ def _decide(
             return _with(record, SKIPPED, backend.keeps_experts), None
         return record, backend.convert_experts(module) if convert else None
     if record.kind not in _NORM_KINDS:
-        return record, backend.convert_linear(module) if convert else None
+        return record, backend.convert_linear(module, record.forward_in_fp8) if convert else None
     if backend.keeps_norms is not None:
         return _with(record, KEPT, backend.keeps_norms), None
     if not convert:

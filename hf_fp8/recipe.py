@@ -74,7 +74,9 @@ class Fp8Recipe:
         modules_to_not_convert: module name patterns left in high precision (``fnmatch`` syntax; a
             pattern also matches as a suffix of the dotted name, so ``"lm_head"`` or ``"mlp.gate"``).
         convert_lm_head: also convert the output head and layers whose weight is tied to the input
-            embeddings (off by default: the logits feed the loss directly and are sensitive to rounding).
+            embeddings: ``True`` runs their three GEMMs in FP8; ``"backward"`` keeps the forward GEMM (the
+            logits) in high precision and runs the two backward GEMMs in FP8 (native backend). Off by
+            default: the logits feed the loss directly and are sensitive to rounding.
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
         nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
             amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and
@@ -93,7 +95,7 @@ class Fp8Recipe:
     fp8_all_gather: bool = False
     pad_to_multiple: int = 16
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
-    convert_lm_head: bool = False
+    convert_lm_head: bool | str = False
     use_during_eval: bool = False
     nan_policy: str = "raise"
 
@@ -105,6 +107,12 @@ class Fp8Recipe:
             raise ValueError(
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
+            )
+        if self.convert_lm_head == "backward" and self.scaling not in ("delayed", "current"):
+            raise ValueError(
+                "convert_lm_head: backward keeps the head's forward in high precision and casts the "
+                f"backward's operands with one scale each; scaling {self.scaling!r} scales by row or block: "
+                "use scaling 'delayed' or 'current', or convert_lm_head: true / false"
             )
         if self.fp8_all_gather and self.scaling not in ("delayed", "current"):
             raise ValueError(
@@ -297,6 +305,17 @@ def _expect_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     raise ValueError(f"recipe key {name!r} must be one of {list(choices)}, got {value!r}")
 
 
+def _validate_head(name: str, value: Any) -> bool | str:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() == "backward":
+        return "backward"
+    raise ValueError(
+        f"recipe key {name!r} must be true (the head's three GEMMs in FP8), false (none) or 'backward' (its "
+        f"two backward GEMMs in FP8, the logits in high precision), got {value!r}"
+    )
+
+
 def _validate_pad(name: str, value: Any) -> int:
     value = _expect_int(name, value, 1, MAX_PAD, _PAD_WHY)
     if value % FP8_ALIGNMENT:
@@ -327,7 +346,7 @@ _VALIDATORS = {
     "fp8_all_gather": _expect_bool,
     "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,
-    "convert_lm_head": _expect_bool,
+    "convert_lm_head": _validate_head,
     "use_during_eval": _expect_bool,
     "nan_policy": lambda n, v: _expect_choice(n, v, _NAN_POLICIES),
 }
@@ -403,6 +422,10 @@ RECIPES: dict[str, Fp8Recipe] = {
     "current-scaling": Fp8Recipe(scaling="current"),
     # One binade of headroom: first thing to try against overflow and loss spikes.
     "conservative": Fp8Recipe(margin=1),
+    # The fastest measured with hf_fp8.compile: the output head's dgrad and wgrad in FP8 too, its logits
+    # in BF16 (SmolLM2-135M on Shakespeare, GPU: final loss +0.69% of BF16's; the head's forward in FP8
+    # as well: +1.02%).
+    "head-backward": Fp8Recipe(convert_lm_head="backward"),
     # LoRA: frozen base weights stored in FP8, adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True),
     # Full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend).

@@ -20,7 +20,9 @@ class ModuleRecord:
 
     ``action`` is ``converted`` (now FP8), ``skipped`` (a GEMM left in high precision, ``reason`` says
     why) or ``kept`` (not a GEMM, such as a norm, left as it is by this backend). ``gemm_flops`` counts
-    multiply-adds per token, so shares of FLOPs can be computed.
+    multiply-adds per token, so shares of FLOPs can be computed. ``forward_in_fp8`` is ``False`` for a
+    converted layer whose forward GEMM stays in high precision (the output head under
+    ``convert_lm_head: backward``): one of its three GEMMs of a training step.
     """
 
     name: str
@@ -30,6 +32,15 @@ class ModuleRecord:
     reason: str
     params: int
     gemm_flops: int
+    forward_in_fp8: bool = True
+
+    @property
+    def fp8_gemm_flops(self) -> float:
+        """Multiply-adds per token of a training step's GEMMs (forward, dgrad, wgrad: equal thirds) that
+        run in FP8, in the units of ``gemm_flops``."""
+        if self.action != CONVERTED:
+            return 0.0
+        return self.gemm_flops if self.forward_in_fp8 else self.gemm_flops * 2 / 3
 
 
 @dataclass
@@ -68,9 +79,10 @@ class PatchReport:
 
     @property
     def fp8_flop_share(self) -> float:
-        """Share of the multiply-adds of all GEMM layers (linear, Conv1D, MoE experts) that run in FP8."""
+        """Share of the multiply-adds of all GEMM layers (linear, Conv1D, MoE experts) that run in FP8 in a
+        training step."""
         total = sum(r.gemm_flops for r in self.records)
-        return sum(r.gemm_flops for r in self.converted_gemms) / max(total, 1)
+        return sum(r.fp8_gemm_flops for r in self.converted_gemms) / max(total, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -3,8 +3,9 @@
 Nothing here changes a model; :mod:`hf_fp8.patch` acts on the decisions. The rules, in order, for
 ``nn.Linear`` and transformers' ``Conv1D``: already FP8, a subclass that computes something else or
 whose weights its parent reads directly, a PEFT adapter weight, ``modules_to_not_convert``, the output
-head or a weight tied to the input embeddings (unless ``convert_lm_head``), an MoE router, and
-dimensions that are not multiples of 16 are skipped; the rest converts. A subclass converts when it
+head or a weight tied to the input embeddings (unless ``convert_lm_head``; with ``convert_lm_head:
+backward`` they convert with their forward GEMM in high precision), an MoE router, and dimensions that
+are not multiples of 16 are skipped; the rest converts. A subclass converts when it
 computes what its base class computes (checked on a probe: Falcon's ``FalconLinear``, for one).
 
 Norms are recognised by what they compute; whether a backend converts them is its own business. MoE
@@ -32,6 +33,7 @@ from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord
 
 __all__ = [
     "ALREADY_FP8",
+    "HEAD_FORWARD_KEPT",
     "ModelContext",
     "excluded_by",
     "linear_shape",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 ALREADY_FP8 = "already FP8 (patched before; unpatch_model first to change the recipe)"
+HEAD_FORWARD_KEPT = (
+    "forward GEMM (the logits) in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)"
+)
 
 _ROUTER_NAMES = ("gate", "router")
 _ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
@@ -124,11 +129,17 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
 
 
 def record(
-    name: str, module: nn.Module, kind: str, action: str, reason: str, gemm_flops: int
+    name: str,
+    module: nn.Module,
+    kind: str,
+    action: str,
+    reason: str,
+    gemm_flops: int,
+    forward_in_fp8: bool = True,
 ) -> ModuleRecord:
     """A report entry for ``module``, counting its own (not its children's) parameters."""
     params = sum(p.numel() for p in module.parameters(recurse=False))
-    return ModuleRecord(name, type(module).__name__, kind, action, reason, params, gemm_flops)
+    return ModuleRecord(name, type(module).__name__, kind, action, reason, params, gemm_flops, forward_in_fp8)
 
 
 def _linear_record(
@@ -137,8 +148,8 @@ def _linear_record(
     in_features, out_features = linear_shape(module)
     kind = "conv1d" if isinstance(module, Conv1D) else "linear"
 
-    def result(action: str, reason: str = "") -> ModuleRecord:
-        return record(name, module, kind, action, reason, gemm_flops=in_features * out_features)
+    def result(action: str, reason: str = "", forward_in_fp8: bool = True) -> ModuleRecord:
+        return record(name, module, kind, action, reason, in_features * out_features, forward_in_fp8)
 
     if is_fp8:
         return result(SKIPPED, ALREADY_FP8)
@@ -156,8 +167,9 @@ def _linear_record(
     pattern = excluded_by(name, recipe)
     if pattern is not None:
         return result(SKIPPED, f"matches modules_to_not_convert pattern {pattern!r}")
+    tied = id(module.weight) in context.tied_weights
     if not recipe.convert_lm_head:
-        if id(module.weight) in context.tied_weights:
+        if tied:
             return result(
                 SKIPPED, "weight tied to the input embeddings (set convert_lm_head: true to convert)"
             )
@@ -170,6 +182,8 @@ def _linear_record(
         return result(SKIPPED, f"{dims}: FP8 GEMMs need multiples of {FP8_ALIGNMENT}")
     if not recipe.enabled:
         return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
+    if recipe.convert_lm_head == "backward" and (tied or module is context.output_head):
+        return result(CONVERTED, HEAD_FORWARD_KEPT, forward_in_fp8=False)
     return result(CONVERTED)
 
 

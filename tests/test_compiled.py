@@ -60,6 +60,19 @@ def test_compiled_blocks_train_exactly_as_eager_and_compile_once_per_kind_of_ste
             )
 
 
+def test_a_converted_head_compiles_on_its_own_and_trains_exactly_as_eager():
+    """The output head lies outside the blocks: under ``convert_lm_head`` it is compiled by itself (its
+    casts fused), with the same numerics as eager."""
+    torch._dynamo.reset()
+    eager = llama(layers=2)
+    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(convert_lm_head="backward"))
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled, backend="aot_eager")
+    assert compiled.lm_head._compiled_call_impl is not None and not compiled.lm_head.forward_in_fp8
+    assert train(compiled) == train(eager)
+    assert torch.equal(compiled.lm_head.amax_history, eager.lm_head.amax_history)
+
+
 def test_telemetry_counts_a_compiled_steps_casts_as_it_counts_an_eager_ones():
     """The sampled layers count what their casts do inside the compiled graph (a Python callback there
     broke tracing on the GPU): the same saturation and flush statistics as an eager step's."""
@@ -138,14 +151,16 @@ def test_evaluation_and_generation_leave_the_training_graph_alone():
 
 
 @pytest.mark.gpu
-def test_gpu_inductor_fused_casts_match_the_eager_reference():
+@pytest.mark.parametrize("forward_in_fp8", [True, False])
+def test_gpu_inductor_fused_casts_match_the_eager_reference(forward_in_fp8):
     """On the GPU Inductor fuses each cast, its transpose and its amax into Triton kernels: one FP8 layer's
-    forward and backward, compiled, equal the eager reference path's within FP8 rounding."""
+    forward and backward, compiled, equal the eager reference path's within FP8 rounding (also with the
+    forward GEMM in high precision, as the head under ``convert_lm_head: backward``)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
-    eager = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear))
-    fused = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear))
+    eager = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear), forward_in_fp8=forward_in_fp8)
+    fused = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear), forward_in_fp8=forward_in_fp8)
     step = torch.compile(lambda layer, x: layer(x), backend="inductor")
     for i in range(3):  # a first step by own amaxes, then delayed scales from the history
         x = (torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)).requires_grad_()

@@ -193,6 +193,15 @@ def test_hf_fp8_compile_compiles_the_fp8_all_gather():
     assert all(b._compiled_call_impl is not None for b in model.model.layers)
 
 
+def test_a_head_whose_forward_stays_in_high_precision_is_not_gathered_in_fp8():
+    """Its forward reads the weight in high precision: gathered in FP8, its logits would be rounded."""
+    model = tm.build("llama")
+    report = hf_fp8.patch_model(model, Fp8Recipe(fp8_all_gather=True, convert_lm_head="backward"))
+    assert type(model.lm_head.weight) is torch.nn.Parameter
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, Fp8ShardedWeight)
+    assert "a forward in high precision" in " ".join(report.notes)
+
+
 def test_a_copied_model_gathers_with_its_own_layers():
     model = tm.build("llama")
     hf_fp8.patch_model(model, Fp8Recipe(fp8_all_gather=True), backend="native")

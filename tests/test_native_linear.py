@@ -162,6 +162,57 @@ def test_input_without_grad_skips_dgrad():
     assert len(mm.calls) == 2  # forward and wgrad
 
 
+def make_pair(**recipe) -> tuple[Fp8Linear, Fp8Linear]:
+    """The same weights as an FP8 layer and as one whose forward GEMM stays in high precision."""
+    linear, full = make_layer(**recipe)
+    head = Fp8Linear.from_float(
+        nn.Linear(64, 48, dtype=linear.weight.dtype), Fp8Recipe(**recipe), forward_in_fp8=False
+    )
+    head.load_state_dict(linear.state_dict())
+    return full, head
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_a_forward_in_high_precision_gives_exact_outputs_and_the_fp8_layers_gradients(scaling):
+    """``forward_in_fp8=False`` (the output head under ``convert_lm_head: backward``): the output is
+    ``F.linear``'s to the bit, and dgrad and wgrad are the FP8 layer's to the bit: the same casts of x,
+    W and dy with the same scales, step after step (the weight's scale comes from its history too)."""
+    full, head = make_pair(scaling=scaling)
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(24, 64) * (step + 1)
+        dy = torch.randn(24, 48)
+        x_full, x_head = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with ScaledMmCalls() as mm:
+            y = head(x_head)
+            y.backward(dy)
+        assert torch.equal(y, F.linear(x, head.weight, head.bias)), step
+        assert mm.calls == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2, "dgrad and wgrad only"
+        full(x_full).backward(dy)
+        assert torch.equal(x_head.grad, x_full.grad) and torch.equal(head.weight.grad, full.weight.grad)
+        assert torch.equal(head.amax_history, full.amax_history) and torch.equal(head.scale, full.scale)
+        update_fp8_scales(full)
+        update_fp8_scales(head)
+        full.weight.grad = head.weight.grad = None
+    assert "forward in high precision" in repr(head)
+
+
+def test_a_frozen_layer_with_its_forward_in_high_precision_casts_no_input():
+    _, head = make_pair()
+    head.weight.requires_grad_(False)
+    x = torch.randn(16, 64, requires_grad=True)
+    with ScaledMmCalls() as mm:
+        head(x).sum().backward()
+    assert len(mm.calls) == 1, "dgrad only: no forward GEMM in FP8, no weight gradient"
+    assert head.amax_history[INPUT].eq(0).all() and head.amax_history[GRAD, 0] > 0
+
+
+def test_a_forward_in_high_precision_is_for_tensorwise_scaling_only():
+    with pytest.raises(ValueError, match="tensorwise scaling; scaling 'rowwise'"):
+        recipe = Fp8Recipe(format="e4m3", scaling="rowwise")
+        Fp8Linear.from_float(nn.Linear(64, 48), recipe, forward_in_fp8=False)
+
+
 def saved_for_backward(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``layer(x)`` and the tensors its autograd graph keeps for the backward."""
     saved = []

@@ -16,7 +16,9 @@ import hf_fp8
 from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8PaddingCollator, Fp8Recipe, is_patched, patch_model, unpatch_model
 from hf_fp8.experts import Fp8Experts
 from hf_fp8.padding import pad_batch
+from hf_fp8.patch import plan_patch
 from hf_fp8.patch_state import get_state
+from hf_fp8.selection import HEAD_FORWARD_KEPT
 
 OUTPUT_HEAD = "output head (set convert_lm_head: true to convert)"
 TIED = "weight tied to the input embeddings (set convert_lm_head: true to convert)"
@@ -520,6 +522,30 @@ def test_convert_lm_head_keeps_the_tie():
     assert isinstance(model.lm_head, Fp8Linear)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert len(report.converted) == 15 and report.skipped == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])  # an untied head; a head tied to the embeddings
+def test_convert_lm_head_backward_keeps_the_logits_in_high_precision_and_says_so(arch):
+    model = tm.build(arch)
+    planned = plan_patch(model, {"convert_lm_head": "backward"})
+    report = patch_model(model, "head-backward")
+    head = model.lm_head
+    assert isinstance(head, Fp8Linear) and not head.forward_in_fp8
+    assert "forward in high precision" in repr(head)
+    record = next(r for r in report.records if r.name == "lm_head")
+    assert record.action == "converted" and not record.forward_in_fp8
+    assert record.reason == planned.records[-1].reason == HEAD_FORWARD_KEPT
+    assert "forward GEMM (the logits) in high precision" in str(report)
+    # two of the head's three GEMMs count as FP8
+    full = patch_model(tm.build(arch), Fp8Recipe(convert_lm_head=True))
+    total = sum(r.gemm_flops for r in report.records)
+    assert report.fp8_flop_share == pytest.approx(full.fp8_flop_share - record.gemm_flops / 3 / total)
+    assert all(m.forward_in_fp8 for m in model.modules() if isinstance(m, Fp8Linear) and m is not head)
+
+
+def test_convert_lm_head_backward_needs_tensorwise_scaling():
+    with pytest.raises(ValueError, match=r"convert_lm_head: backward .* scaling 'block'.*'delayed' or 'cu"):
+        Fp8Recipe(convert_lm_head="backward", scaling="block", format="e4m3")
 
 
 def test_shared_module_is_converted_once_and_stays_shared():

@@ -57,7 +57,8 @@ def test_recipe_is_frozen_and_replace_validates():
         ("pad_to_multiple", 64, 8, "multiple of 16"),
         ("pad_to_multiple", 32, "16", "integer from 1 to 1024"),
         ("modules_to_not_convert", ["lm_head", "*.gate"], [3], "list of module name patterns"),
-        ("convert_lm_head", True, "no", "true or false"),
+        ("convert_lm_head", True, "no", r"true \(the head's three GEMMs in FP8\), false \(none\) or 'ba"),
+        ("convert_lm_head", "Backward", 1, "or 'backward'"),
         ("use_during_eval", True, None, "true or false"),
     ],
 )
@@ -216,6 +217,7 @@ def test_named_recipes_match_shipped_yaml_files():
         == set(RECIPES)
         == {
             "hybrid-delayed",
+            "head-backward",
             "current-scaling",
             "conservative",
             "lora-fp8",
@@ -231,6 +233,7 @@ def test_named_recipes_match_shipped_yaml_files():
     assert Fp8Recipe.named("lora-fp8").fp8_weights
     assert Fp8Recipe.named("fsdp-fp8").fp8_all_gather
     assert Fp8Recipe.named("current-scaling").scaling == "current"
+    assert Fp8Recipe.named("head-backward") == Fp8Recipe(convert_lm_head="backward")
     with pytest.raises(ValueError, match="unknown recipe 'fast'"):
         Fp8Recipe.named("fast")
 

@@ -58,6 +58,7 @@ def test_block_scaling_runs_emulated_in_the_native_backend():
         (Fp8Recipe(scaling="current", margin=1), "margin=1"),
         (Fp8Recipe(scaling="rowwise", format="e4m3"), "scaling 'rowwise' has no Transformer Engine recipe"),
         (Fp8Recipe(fp8_all_gather=True), "fp8_all_gather is built for the native backend"),
+        (Fp8Recipe(convert_lm_head="backward"), r"convert_lm_head: backward .* has no Transformer Engine"),
     ],
 )
 def test_recipes_te_cannot_run_are_refused(recipe, message):

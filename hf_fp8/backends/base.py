@@ -105,8 +105,10 @@ class Fp8Backend(ABC):
     # ---- conversion -------------------------------------------------------------------------------
 
     @abstractmethod
-    def convert_linear(self, module: nn.Module) -> nn.Module:
-        """The FP8 module that computes what ``module`` (``nn.Linear`` or ``Conv1D``) computes."""
+    def convert_linear(self, module: nn.Module, forward_in_fp8: bool = True) -> nn.Module:
+        """The FP8 module that computes what ``module`` (``nn.Linear`` or ``Conv1D``) computes; with
+        ``forward_in_fp8`` ``False`` its forward GEMM stays in high precision (only backends whose
+        ``check`` accepts ``convert_lm_head: backward`` are asked for that)."""
 
     def convert_norm(self, module: nn.Module, kind: str) -> tuple[nn.Module | None, str]:
         """The replacement for a norm of ``kind`` (or ``None`` when there is none) and the report's

@@ -65,10 +65,9 @@ class NativeBackend(Fp8Backend):
     def to_plain(cls, module: nn.Module) -> nn.Module | None:
         return module.to_float() if isinstance(module, Fp8Scaled) else None
 
-    def convert_linear(self, module: nn.Module) -> nn.Module:
-        if isinstance(module, Conv1D):
-            return Fp8Conv1D.from_float(module, self.recipe)
-        return Fp8Linear.from_float(module, self.recipe)
+    def convert_linear(self, module: nn.Module, forward_in_fp8: bool = True) -> nn.Module:
+        layer_class = Fp8Conv1D if isinstance(module, Conv1D) else Fp8Linear
+        return layer_class.from_float(module, self.recipe, forward_in_fp8)
 
     def convert_experts(self, module: nn.Module) -> nn.Module:
         return Fp8Experts.from_float(module, self.recipe)
@@ -108,15 +107,21 @@ class NativeBackend(Fp8Backend):
 
     def _gather_weights_in_fp8(self, shared: set[int], report: PatchReport) -> None:
         """``fp8_all_gather``: the trainable weights of the FP8 linear layers are all-gathered in FP8 under
-        FSDP2 (:mod:`hf_fp8.fsdp`); ``shared`` ones (another module uses them too), and experts', are not."""
-        linear = [m for m in self.layers if isinstance(m, Fp8Module)]
+        FSDP2 (:mod:`hf_fp8.fsdp`); ``shared`` ones (another module uses them too), experts', and those of
+        layers whose forward runs in high precision (it would read FP8-rounded weights) are not."""
+        linear = [m for m in self.layers if isinstance(m, Fp8Module) and m.forward_in_fp8]
         chosen = [m for m in linear if m.weight.requires_grad and id(m.weight) not in shared]
         for module in chosen:
             gather_weight_in_fp8(module)
         left = len(self.layers) - len(chosen)
         report.notes.append(
             f"fp8_all_gather: {len(chosen)} weight(s) are all-gathered in FP8 under FSDP2"
-            + (f"; {left} FP8 module(s) in their own dtype (tied, frozen or experts)" if left else "")
+            + (
+                f"; {left} FP8 module(s) in their own dtype (tied, frozen, experts or a forward in high "
+                "precision)"
+                if left
+                else ""
+            )
         )
 
     def unpatch(self, model: nn.Module, hooks: list[RemovableHandle]) -> None:

@@ -86,6 +86,11 @@ def to_te_recipe(recipe: Fp8Recipe):
             "fp8_all_gather is built for the native backend's FSDP2 path; patch with backend='native', or "
             "leave fp8_all_gather off (TE modules are then all-gathered in their own dtype)"
         )
+    if recipe.convert_lm_head == "backward":
+        raise ValueError(
+            "convert_lm_head: backward (the head's forward GEMM in high precision, its backward in FP8) has "
+            "no Transformer Engine module; use backend='native', or convert_lm_head: true / false"
+        )
     if recipe.format == "e5m2":
         raise ValueError(
             "format 'e5m2' (E5M2 for every tensor) has no Transformer Engine recipe; use 'hybrid' or 'e4m3', "
@@ -182,7 +187,7 @@ class TeBackend(Fp8Backend):
             tensors.update({f"{key}.{t}": getattr(meta, t) for t in ("scale", "amax_history")})
         return LayerScaling(name, module, roles, tensors) if roles else None
 
-    def convert_linear(self, module: nn.Module) -> nn.Module:
+    def convert_linear(self, module: nn.Module, forward_in_fp8: bool = True) -> nn.Module:
         return _te_linear(module, self.recipe)
 
     def convert_norm(self, module: nn.Module, kind: str) -> tuple[nn.Module | None, str]:
