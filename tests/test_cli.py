@@ -65,7 +65,7 @@ needs_demo_data = pytest.mark.skipif(
 
 
 @needs_demo_data
-@pytest.mark.parametrize("mode", [(), ("--full",)])
+@pytest.mark.parametrize("mode", [(), ("--full", "--precision", "fp32")])
 def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode, tmp_path):
     out = tmp_path / "demo"
     args = ("--steps", "2", "--batch-size", "1", "--seq-len", "32", "--eval-batches", "1", "--out", str(out))
@@ -85,7 +85,12 @@ def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode,
         assert section in report
     assert ("full fine-tune" if mode else "LoRA") in report
     rows = (out / "losses.csv").read_text().splitlines()
-    assert rows[0] == "step,BF16,FP8" and len(rows) == 3
+    assert len(rows) == 3
+    if mode:  # --precision fp32
+        assert rows[0] == "step,FP32,FP8" and "high precision: FP32\n" in result.stdout
+    else:  # auto: BF16, unless this CPU has no fast BF16 (and says so)
+        assert rows[0] in ("step,BF16,FP8", "step,FP32,FP8")
+        assert rows[0] == "step,BF16,FP8" or "no native BF16 arithmetic" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -116,6 +121,7 @@ def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode,
         (("demo", "--seq-len", "1"), "--seq-len must be from 2 to 8192"),
         (("demo", "--seq-len", "100000"), "--seq-len must be from 2 to 8192"),
         (("demo", "--device", "tpu"), "--device 'tpu'"),
+        (("demo", "--precision", "fp16"), "--precision: invalid choice: 'fp16'"),
         (("demo", "--device", "cuda:7"), "--device cuda:7"),
         (("demo", "--out", "README.md"), "is a file"),
         (("demo", "--out", "tests"), "--overwrite"),
@@ -220,7 +226,8 @@ def test_every_demo_option_has_help_and_its_default():
     text = hf_fp8("demo", "--help").stdout
     options = re.findall(r"^  (--[a-z-]+)", text, re.M)
     assert {"--full", "--steps", "--seq-len", "--device", "--out", "--recipe"} <= set(options)
-    for option in ("--steps", "--batch-size", "--seq-len", "--eval-batches", "--seed", "--out"):
+    defaulted = ("--steps", "--batch-size", "--seq-len", "--eval-batches", "--seed", "--precision", "--out")
+    for option in defaulted:
         block = text[text.index(f"  {option}") :].split("\n  --")[0]
         assert "(default:" in block, block
 
