@@ -20,9 +20,13 @@ from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.gemm import GemmConfig, in_dtype
 from hf_fp8.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
-__all__ = ["BLOCK", "block_linear", "block_quantize"]
+__all__ = ["BLOCK", "EMULATED", "block_linear", "block_quantize"]
 
 BLOCK = 128
+EMULATED = (
+    "block scaling in the native backend emulates its FP8 GEMMs in float32 (real FP8 casts and block "
+    "scales, no FP8 speed-up); backend='te' runs Float8BlockScaling kernels on Hopper"
+)
 
 
 def block_linear(
@@ -35,11 +39,10 @@ def block_linear(
     config: GemmConfig,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with block-scaled FP8 operands (see the module docstring)."""
-    warnings.warn(  # shown once per place it is called from, by Python's default filter
-        "hf_fp8: block scaling in the native backend emulates its FP8 GEMMs in float32 (real FP8 casts "
-        "and block scales, no FP8 speed-up); backend='te' runs Float8BlockScaling kernels on Hopper",
-        stacklevel=3,
-    )
+    if not torch.compiler.is_compiling():  # a warning would break a compiled graph (the report says it)
+        warnings.warn(  # shown once per place it is called from, by Python's default filter
+            f"hf_fp8: {EMULATED}", stacklevel=3
+        )
     out = _BlockFp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 

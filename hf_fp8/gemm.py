@@ -290,7 +290,9 @@ def fp8_mm(
     if _scaled_mm_supported(a, b):
         return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=out_dtype)
     key = (a.device.type, a.dtype, b.dtype)
-    if key not in _emulation_warned:
+    # not from compiled code: a warning breaks the graph, and on torch 2.11 that break failed (Dynamo's
+    # side effects); the patch report says it too (NativeBackend.attach)
+    if key not in _emulation_warned and not torch.compiler.is_compiling():
         _emulation_warned.add(key)
         warnings.warn(
             f"hf_fp8: no FP8 GEMM kernel for {a.dtype} x {b.dtype} on {a.device.type}; emulating it "

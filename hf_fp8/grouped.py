@@ -171,7 +171,7 @@ def _padded(t: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
 
 def _rows_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:
     """``fp8_mm`` for one expert's rows: padded to 16 rows for the GEMM (cuBLAS wants it), sliced back."""
-    if a.is_cuda and (a.dtype, b.dtype) not in _loop_announced:
+    if a.is_cuda and (a.dtype, b.dtype) not in _loop_announced and not torch.compiler.is_compiling():
         _loop_announced.add((a.dtype, b.dtype))
         warnings.warn(
             f"hf_fp8: MoE experts run one FP8 GEMM per expert for {a.dtype} x {b.dtype} on this GPU: the "

@@ -45,6 +45,7 @@ def test_block_scaling_runs_emulated_in_the_native_backend():
     model = tm.build("llama")
     report = patch_model(model, Fp8Recipe(scaling="block", format="e4m3"), backend="native")
     assert report.backend == "native" and len(report.converted) == 14
+    assert any("block scaling in the native backend emulates" in note for note in report.notes)
     with pytest.warns(UserWarning, match="emulates its FP8 GEMMs"):
         model(**tm.batch_for("llama", 32)).loss.backward()
 

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.backends.base import Fp8Backend, Replaced
+from hf_fp8.blockwise import EMULATED
 from hf_fp8.distributed import default_amax_group, local_shard, sync_amaxes
 from hf_fp8.experts import Fp8Experts
 from hf_fp8.formats import compute_scale
@@ -78,6 +79,7 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         _keep_fp8_state_out_of_ddp_broadcast(model)
+        report.notes += self._emulation_notes(model)
         if self.recipe.scaling not in ("delayed", "current") and any(
             isinstance(m, Fp8Experts) for m in self.layers
         ):
@@ -104,6 +106,20 @@ class NativeBackend(Fp8Backend):
                     "keep their dtype"
                 )
         return []
+
+    def _emulation_notes(self, model: nn.Module) -> list[str]:
+        """Where this recipe's GEMMs have no FP8 kernel here and run emulated (exactly, in float32): said
+        in the report, since compiled code does not warn (a warning would break its graph)."""
+        notes = []
+        if self.recipe.scaling == "block":
+            notes.append(EMULATED)
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        if self.recipe.format == "e5m2" and on_gpu:
+            notes.append(
+                "format e5m2: cuBLAS has no E5M2 x E5M2 GEMM, so the dgrad and wgrad (both operands E5M2) "
+                "are emulated exactly in float32 (no FP8 speed-up for them); format hybrid runs them in FP8"
+            )
+        return notes
 
     def _gather_weights_in_fp8(self, shared: set[int], report: PatchReport) -> None:
         """``fp8_all_gather``: the trainable weights of the FP8 linear layers are all-gathered in FP8 under
