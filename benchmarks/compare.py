@@ -1,6 +1,6 @@
 """One command, one table: every training-step mode of ``step_bench.py``, each in a process of its own.
 
-    python benchmarks/compare.py --shape 1b --torchao-path /root/torchao --te-path /root/site
+    python benchmarks/compare.py --shape 1b,8b-4l --torchao-path /root/torchao --te-path /root/site
 
 Why a process per row: compiled modes must not share caches or memory peaks, torchao is a peer that
 should not be on the path of the others, and a process that can import Transformer Engine loses
@@ -25,7 +25,7 @@ DEFAULT_ROWS = "bf16,bf16-compile,hf-fp8,hf-fp8-lmhead,torchao,te-fused,te-fused
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1b")
+    parser.add_argument("--shape", default="1b", help="one shape, or several comma-separated (1b,8b-4l)")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="step_bench.py modes, comma-separated")
     parser.add_argument(
         "--torchao-path", help="a folder holding torchao (put on the torchao row's path only)"
@@ -38,19 +38,25 @@ def main(argv: list[str] | None = None) -> int:
     groups = [([r], _extra_path(r, args)) for r in rows if r not in te_rows]
     if te_rows:
         groups.append((["bf16", *te_rows], args.te_path))
-    results = []
-    for modes, extra in groups:
-        if extra is False:
-            print(f"# {modes[0]}: left out (no --torchao-path given)", flush=True)
-            continue
-        if any(m in te_rows for m in modes) and not args.te_path:
-            print(f"# {', '.join(te_rows)}: left out (no --te-path given)", flush=True)
-            continue
-        results += _run(modes, extra, args.shape, passed_on, te_process=modes[0] == "bf16" and len(modes) > 1)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in results)
-    _print_table(results)
+    tables = []
+    for shape in args.shape.split(","):
+        results = []
+        for modes, extra in groups:
+            if extra is False:
+                print(f"# {modes[0]}: left out (no --torchao-path given)", flush=True)
+                continue
+            if any(m in te_rows for m in modes) and not args.te_path:
+                print(f"# {', '.join(te_rows)}: left out (no --te-path given)", flush=True)
+                continue
+            te_process = modes[0] == "bf16" and len(modes) > 1
+            results += _run(modes, extra, shape, passed_on, te_process)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
+        tables.append((shape, results))
+    for shape, results in tables:  # at the end, together: ratios are within a shape
+        print(f"\n## {shape}")
+        _print_table(results)
     return 0
 
 

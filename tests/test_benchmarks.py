@@ -59,6 +59,11 @@ def test_compare_runs_each_row_in_its_own_process_and_prints_one_table():
     assert "torchao: left out (no --torchao-path given)" in out and "te-fused: left out" in out
 
 
+def test_compare_prints_a_table_for_each_shape_it_is_given():
+    out = bench("compare.py", "--rows", "bf16", "--shape", "tiny,tiny", *SMOKE[2:], *TIMING)
+    assert out.count("\n## tiny\n") == 2 and out.count("| bf16 | ") == 2 + 2, out  # step_bench's + ours
+
+
 def test_lora_bench_runs():
     out = bench("lora_bench.py", "--modes", "peft-bf16,native-compile", *SMOKE, *TIMING)
     table = table_rows(out)
