@@ -4,7 +4,8 @@
         [--compile]
 
 Every mode builds the same Llama-shaped model in BF16 (patched first for the hf-fp8 modes: native
-backend, hybrid delayed scaling; ``hf-fp8-ag`` adds ``fp8_all_gather``), shards each decoder layer
+backend, hybrid delayed scaling; ``hf-fp8-ag`` adds ``fp8_all_gather``, ``hf-fp8-head-backward`` the
+``head-backward`` recipe's FP8 backward of the output head), shards each decoder layer
 and then the root with ``fully_shard``, and trains on 4 x 2048 tokens a rank with fused AdamW. Rank 0
 prints a JSON line per mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU
 (of the timed steps, and of the warm-up: a first FP8 step runs eagerly before the blocks compile),
@@ -32,7 +33,12 @@ from torch.distributed.tensor import DTensor
 import hf_fp8
 from hf_fp8.fsdp import Fp8ShardedWeight
 
-MODES = ("bf16", "hf-fp8", "hf-fp8-ag")
+RECIPES = {
+    "hf-fp8": hf_fp8.Fp8Recipe(),
+    "hf-fp8-ag": hf_fp8.Fp8Recipe(fp8_all_gather=True),
+    "hf-fp8-head-backward": hf_fp8.Fp8Recipe.named("head-backward"),
+}
+MODES = ("bf16", *RECIPES)
 GATHERS_PER_STEP = 2  # forward, and backward after reshard_after_forward
 
 
@@ -49,7 +55,7 @@ def all_gather_bytes(model: torch.nn.Module) -> int:
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     model = build(args.shape, args.device)
     if mode != "bf16":
-        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(fp8_all_gather=mode == "hf-fp8-ag"), backend="native")
+        hf_fp8.patch_model(model, RECIPES[mode], backend="native")
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
