@@ -51,7 +51,7 @@ class Fp8Module(Fp8Scaled):
         self.train(source.training)
         self.init_fp8_state(recipe, self.weight.device)
         if not forward_in_fp8:
-            if self.recipe.scaling not in ("delayed", "current"):
+            if not self.recipe.tensorwise:
                 raise ValueError(
                     f"a forward in high precision with FP8 backward GEMMs is built for tensorwise scaling; "
                     f"scaling {self.recipe.scaling!r} runs every GEMM in FP8: use 'delayed' or 'current'"
@@ -120,8 +120,7 @@ class Fp8Module(Fp8Scaled):
         it, is taken at the step's end with every other layer's in one batch. A cast with the stored
         scale then takes none: one reduction per layer less in the step. A weight FSDP2 all-gathers in
         FP8 gives the shard it was gathered from."""
-        tensorwise = self.recipe.scaling in ("delayed", "current")
-        if self.weight_in_fp8 or not tensorwise:
+        if self.weight_in_fp8 or not self.recipe.tensorwise:
             return []
         shard = gathered_shard(self)
         if shard is None and isinstance(self.weight, Fp8GatheredWeight):

@@ -108,18 +108,24 @@ class Fp8Recipe:
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
             )
-        if self.convert_lm_head == "backward" and self.scaling not in ("delayed", "current"):
+        if self.convert_lm_head == "backward" and not self.tensorwise:
             raise ValueError(
                 "convert_lm_head: backward keeps the head's forward in high precision and casts the "
                 f"backward's operands with one scale each; scaling {self.scaling!r} scales by row or block: "
                 "use scaling 'delayed' or 'current', or convert_lm_head: true / false"
             )
-        if self.fp8_all_gather and self.scaling not in ("delayed", "current"):
+        if self.fp8_all_gather and not self.tensorwise:
             raise ValueError(
                 f"fp8_all_gather casts each weight with one scale before the all-gather; scaling "
                 f"{self.scaling!r} scales weights by row or block: use scaling 'delayed' or 'current', or "
                 "leave fp8_all_gather off"
             )
+
+    @property
+    def tensorwise(self) -> bool:
+        """Whether a cast scales a whole tensor by one scale (delayed or current scaling), not by row or
+        by block."""
+        return self.scaling in ("delayed", "current")
 
     @property
     def forward_format(self) -> Fp8Format:

@@ -80,9 +80,7 @@ class NativeBackend(Fp8Backend):
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
-        if self.recipe.scaling not in ("delayed", "current") and any(
-            isinstance(m, Fp8Experts) for m in self.layers
-        ):
+        if not self.recipe.tensorwise and any(isinstance(m, Fp8Experts) for m in self.layers):
             report.notes.append(
                 f"MoE experts scale each of their tensors as a whole (current scaling) under scaling "
                 f"{self.recipe.scaling!r}; their linear layers follow the recipe"
