@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from hf_fp8.experts import Fp8Experts
+from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.inputs import check_model
 from hf_fp8.patch_state import get_state
 from hf_fp8.scaled import Fp8Scaled
@@ -66,6 +68,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             "backend='native' for the compiled fast path"
         )
     _refuse_what_miscompiles(model)
+    _announce_emulation(model)
     # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
     hf_model = next(
         (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None
@@ -117,6 +120,21 @@ def _refuse_what_miscompiles(model: nn.Module) -> None:
             "failed to partition); use format 'e4m3' (all six expert GEMMs grouped), or keep the experts "
             "in high precision (modules_to_not_convert: ['experts'])"
         )
+
+
+def _announce_emulation(model: nn.Module) -> None:
+    """Warn, before compiling, where the FP8 GEMMs will be emulated: compiled code does not warn (a
+    warning inside it breaks the graph), and a GPU without FP8 tensor cores emulates every one."""
+    if not any(isinstance(m, Fp8Scaled) for m in model.modules()):
+        return
+    for device in {p.device for p in model.parameters() if p.is_cuda}:
+        if not gpu_has_fp8(device):
+            warnings.warn(
+                f"hf_fp8.compile: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
+                "capability below 8.9): its FP8 GEMMs are emulated exactly in float32, with FP8 numerics "
+                "and no speed-up (slower than BF16)",
+                stacklevel=3,
+            )
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

@@ -22,6 +22,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.formats import (
     FP8_ALIGNMENT,
@@ -132,12 +133,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # _scaled_mm wants a row-major left and a column-major right operand: W (out, in) row-major
             # is W.T column-major as it is (Conv1D stores W.T: its cast is laid out as W here).
             out = fp8_mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_inverse, w_inverse, config.out_dtype)
-        else:
-            plain = weight if weight_fp8 is None else weight_fp8.float() * w_inverse
+            if bias is not None:
+                out = out + bias.to(config.out_dtype)
+        else:  # what F.linear computes in out_dtype, the bias inside the GEMM as there (one rounding)
             dtype = config.out_dtype
-            out = torch.mm(x.to(dtype), plain.to(dtype).t())
-        if bias is not None:
-            out = out + bias.to(config.out_dtype)
+            plain = weight.to(dtype) if weight_fp8 is None else (weight_fp8.to(dtype) * w_inverse).to(dtype)
+            out = F.linear(x.to(dtype), plain, None if bias is None else bias.to(dtype))
 
         # x is saved in the layout dW = dy.T @ x reads: x.T, tokens padded to 16. The weight is saved as
         # it is, not as a cast copy: a parameter (or FP8 values stored or all-gathered) that lives anyway,
@@ -178,9 +179,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
             if recast_scale is not None:
-                w_column_major = (
-                    cast_to_fp8(saved_weight, recast_scale, config.forward_format).t().contiguous().t()
-                )
+                w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
+                if not config.forward_in_fp8 and ctx.record and ctx.cast_counts is not None:
+                    # the weight's only cast of the step: count it as the forward's cast would be
+                    stats = cast_statistics(saved_weight.detach(), recast_scale, w_fp8, config.forward_format)
+                    ctx.cast_counts[WEIGHT] += stats
+                w_column_major = w_fp8.t().contiguous().t()
             elif saved_weight.stride(0) == 1:  # Conv1D stores W.T: column-major W as it is
                 w_column_major = saved_weight
             else:

@@ -37,7 +37,8 @@ class ModuleRecord:
     @property
     def fp8_gemm_flops(self) -> float:
         """Multiply-adds per token of a training step's GEMMs (forward, dgrad, wgrad: equal thirds) that
-        run in FP8, in the units of ``gemm_flops``."""
+        run in FP8, in the units of ``gemm_flops``; counted for a trainable weight (a frozen one has no
+        wgrad, whichever its precision)."""
         if self.action != CONVERTED:
             return 0.0
         return self.gemm_flops if self.forward_in_fp8 else self.gemm_flops * 2 / 3

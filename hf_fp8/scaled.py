@@ -67,6 +67,8 @@ class Fp8Scaled(nn.Module):
                 if tensor.is_meta and not moved.is_meta:
                     moved = torch.zeros_like(moved)
                 self._buffers[name] = moved
+            if getattr(self, "cast_counts", None) is not None:  # the counts go where the casts happen
+                self.cast_counts = self.cast_counts.to(self.scale.device)
         return self
 
     def scaling_state(self, name: str) -> LayerScaling:

@@ -197,6 +197,26 @@ def test_a_forward_in_high_precision_gives_exact_outputs_and_the_fp8_layers_grad
     assert "forward in high precision" in repr(head)
 
 
+def test_a_bf16_forward_in_high_precision_with_a_bias_is_f_linear_to_the_bit():
+    """The bias goes into the GEMM as in ``F.linear`` (one rounding to BF16, not two)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, dtype=torch.bfloat16)
+    head = Fp8Linear.from_float(linear, Fp8Recipe(), forward_in_fp8=False)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert torch.equal(head(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_a_forward_in_high_precision_counts_the_weights_one_cast():
+    """Its weight is cast once, in the backward: telemetry counts that cast as the weight's."""
+    _, head = make_pair()
+    head.count_casts(True)
+    head(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    values = head.cast_counts[:, 0].tolist()
+    assert values == [16 * 64, 48 * 64, 16 * 48], "input, weight, grad_output: one cast each"
+    head.to(torch.device("meta"))
+    assert head.cast_counts.is_meta, "the counts move with the layer"
+
+
 def test_a_frozen_layer_with_its_forward_in_high_precision_casts_no_input():
     _, head = make_pair()
     head.weight.requires_grad_(False)

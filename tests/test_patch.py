@@ -543,6 +543,14 @@ def test_convert_lm_head_backward_keeps_the_logits_in_high_precision_and_says_so
     assert all(m.forward_in_fp8 for m in model.modules() if isinstance(m, Fp8Linear) and m is not head)
 
 
+def test_a_head_whose_forward_stays_in_high_precision_is_not_stored_in_fp8():
+    """Under fp8_weights its forward would read FP8-rounded weights: it keeps its dtype, and says so."""
+    model = tm.build("llama").requires_grad_(False)
+    report = patch_model(model, Fp8Recipe(fp8_weights=True, convert_lm_head="backward"))
+    assert not model.lm_head.weight_in_fp8 and model.model.layers[0].mlp.up_proj.weight_in_fp8
+    assert any("whose forward runs in high precision" in note for note in report.notes)
+
+
 def test_convert_lm_head_backward_needs_tensorwise_scaling():
     with pytest.raises(ValueError, match=r"convert_lm_head: backward .* scaling 'block'.*'delayed' or 'cu"):
         Fp8Recipe(convert_lm_head="backward", scaling="block", format="e4m3")

@@ -92,7 +92,9 @@ class NativeBackend(Fp8Backend):
             self._gather_weights_in_fp8(shared, report)
         if self.recipe.fp8_weights:
             tied = [m for m in self.layers if any(id(w) in shared for w in _weights(m))]
-            self.unquantized = [m for m in self.layers if m not in tied]
+            # its forward reads the weight in high precision: stored in FP8, its logits would be rounded
+            high_forward = [m for m in self.layers if not getattr(m, "forward_in_fp8", True)]
+            self.unquantized = [m for m in self.layers if m not in tied and m not in high_forward]
             self.before_forward(model)
             report.notes.append(
                 "fp8_weights: frozen weights are stored in FP8 (now, or at the first forward after they are "
@@ -103,6 +105,11 @@ class NativeBackend(Fp8Backend):
                     f"fp8_weights: {len(tied)} weight(s) tied to another module (e.g. the input embeddings) "
                     "keep their dtype"
                 )
+            if high_forward:
+                report.notes.append(
+                    f"fp8_weights: {len(high_forward)} weight(s) whose forward runs in high precision "
+                    "(convert_lm_head: backward) keep their dtype"
+                )
         return []
 
     def _emulation_notes(self, model: nn.Module) -> list[str]:
@@ -111,11 +118,10 @@ class NativeBackend(Fp8Backend):
         notes = []
         if self.recipe.scaling == "block":
             notes.append(EMULATED)
-        on_gpu = any(p.is_cuda for p in model.parameters())
-        if self.recipe.format == "e5m2" and on_gpu:
+        if self.recipe.format == "e5m2":
             notes.append(
-                "format e5m2: cuBLAS has no E5M2 x E5M2 GEMM, so the dgrad and wgrad (both operands E5M2) "
-                "are emulated exactly in float32 (no FP8 speed-up for them); format hybrid runs them in FP8"
+                "format e5m2: cuBLAS has no E5M2 x E5M2 GEMM, so on a GPU all three GEMMs are emulated "
+                "exactly in float32 (no FP8 speed-up); formats hybrid and e4m3 run them in FP8"
             )
         return notes
 
