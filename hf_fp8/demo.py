@@ -123,13 +123,12 @@ class Arm:
     losses: list[float] = field(default_factory=list)
     held_out: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
     step_seconds: list[float] = field(default_factory=list)
+    telemetry: dict = field(default_factory=dict)  # the FP8 run's last step
 
     @property
     def seconds_per_step(self) -> float:
         """The median step: the first steps, which compile on a GPU, do not count."""
         return statistics.median(self.step_seconds)
-
-    telemetry: dict = field(default_factory=dict)  # the FP8 run's last step
 
 
 def run(args: argparse.Namespace) -> int:
