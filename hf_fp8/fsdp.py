@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hf_fp8.formats import cast_to_fp8, compute_scale
+from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.scaling import WEIGHT
 from hf_fp8.stored_weight import Fp8GatheredWeight
 
@@ -38,6 +38,7 @@ __all__ = [
     "gathered_shard",
     "plain_weight",
     "release_weight",
+    "shard_in_fp8",
 ]
 
 _aten = torch.ops.aten
@@ -57,6 +58,10 @@ _KEEPS_WRAPPER = {
     _aten._to_copy.default,
     _aten._pin_memory.default,
 }
+
+
+# The layer attribute holding the shard its weight was last all-gathered from (see gathered_shard).
+_GATHERED_SHARD = "fp8_gathered_shard"
 
 
 class Fp8ShardedWeight(torch.Tensor):
@@ -143,17 +148,14 @@ class Fp8ShardedWeight(torch.Tensor):
         values = self._tensor.detach()
         # The step's end takes the weight's amax from this shard (the weight may still be gathered then,
         # and the history must not change between a compiled forward and its backward, which saves it).
-        layer.fp8_gathered_shard = values
+        setattr(layer, _GATHERED_SHARD, values)
         if layer.stored_scale_roles()[WEIGHT]:
             scale = layer.scale[WEIGHT].to(torch.float32, copy=True)
         else:  # no stored scale yet: the whole weight's amax, the same on every rank
             amax = values.abs().amax().float() if values.numel() else values.new_zeros((), dtype=torch.float)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = compute_scale(amax, fmt, recipe.margin)
-        shard = cast_to_fp8(values, scale, fmt)
-        rows = -(-outer_size[0] // mesh.size())
-        if shard.shape[0] < rows:
-            shard = torch.cat([shard, shard.new_zeros(rows - shard.shape[0], *shard.shape[1:])])
+        shard = shard_in_fp8(values, scale, fmt, rows=-(-outer_size[0] // mesh.size()))
         return (shard.view(torch.uint8),), (scale, fmt.dtype, recipe.margin)
 
     def fsdp_post_all_gather(
@@ -178,6 +180,24 @@ class Fp8ShardedWeight(torch.Tensor):
             out._scale.copy_(scale)
             return None
         return Fp8GatheredWeight(data, scale, param_dtype, margin), (gathered,)
+
+
+def shard_in_fp8(values: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, rows: int) -> torch.Tensor:
+    """``values`` cast to ``fmt`` with ``scale``, as ``rows`` rows: zero rows pad an uneven last shard
+    to the size FSDP2 gathers. FSDP2 calls its hook eagerly, twice a step for every weight, so on a GPU
+    the cast is one Triton kernel (:mod:`hf_fp8.cuda_copies`), not four passes over the shard."""
+    shard = torch.empty((rows, *values.shape[1:]), dtype=fmt.dtype, device=values.device)
+    padding = rows - values.shape[0]
+    cast_rows = shard[: values.shape[0]] if padding else shard
+    if values.is_cuda and values.is_contiguous():
+        from hf_fp8.cuda_copies import saturating_cast  # Triton: only with a CUDA build of torch
+
+        saturating_cast(values, scale, fmt, cast_rows)
+    else:
+        cast_rows.copy_(cast_to_fp8(values, scale, fmt))
+    if padding:
+        shard[values.shape[0] :].zero_()
+    return shard
 
 
 def gather_weight_in_fp8(layer: nn.Module) -> None:
@@ -216,11 +236,11 @@ def gathered_shard(layer: nn.Module) -> torch.Tensor | None:
     """This rank's shard of ``layer``'s weight as FSDP2 last all-gathered it in FP8 (its values, before
     the optimizer step), or ``None`` for a weight not all-gathered in FP8: the step's end takes the
     weight's amax from it, whether the weight is sharded again by then or still gathered."""
-    weight = layer.weight
-    if isinstance(weight, Fp8GatheredWeight) or (
-        isinstance(weight, DTensor) and isinstance(weight.to_local(), Fp8ShardedWeight)
-    ):
-        return getattr(layer, "fp8_gathered_shard", None)
+    # Recorded by the all-gather hook, dropped by release_weight. The weight's type says it is sharded or
+    # gathered (not a copy of the layer made unsharded); its local tensor is not looked at: through an
+    # Fp8ShardedWeight, to_local() is a dispatch in Python for every layer at every step's end.
+    if isinstance(layer.weight, (Fp8GatheredWeight, DTensor)):
+        return layer.__dict__.get(_GATHERED_SHARD)
     return None
 
 
@@ -240,6 +260,7 @@ def release_weight(layer: nn.Module) -> None:
     """Undo :func:`gather_weight_in_fp8` (a no-op for a weight it did not wrap; see
     :func:`check_releasable` for a sharded one)."""
     weight = layer.weight
+    layer.__dict__.pop(_GATHERED_SHARD, None)
     if isinstance(weight, Fp8ShardedWeight):
         torch.utils.swap_tensors(weight, nn.Parameter(weight._tensor, weight.requires_grad))
 

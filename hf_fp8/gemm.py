@@ -211,6 +211,14 @@ def column_major_copy(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+@column_major_copy.register_kernel("cuda")
+def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    # eagerly, a one-byte transpose is an uncoalesced strided copy; a tiled Triton kernel is one pass
+    from hf_fp8.cuda_copies import transposed_copy  # Triton: only with a CUDA build of torch
+
+    return transposed_copy(t.contiguous()).t()
+
+
 @column_major_copy.register_fake
 def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return t.new_empty_strided(t.shape, (1, t.shape[0]))

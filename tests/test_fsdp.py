@@ -212,6 +212,23 @@ def test_a_copied_model_gathers_with_its_own_layers():
 
 
 @pytest.mark.gpu
+def test_gpu_one_rank_all_gathers_in_fp8_through_the_triton_copies(tmp_path):
+    """FSDP2 over one GPU with NCCL: the all-gather hook casts the shard with one Triton kernel and the
+    input gradient reads the Triton transpose of the gathered weight; the run trains as the unsharded
+    FP8 run does, its weight cast with the same scale."""
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    sharded.mkdir(), single.mkdir()
+    options = [str(STEPS), "--fp8-all-gather", "--device", "cuda"]
+    run([([*cmd, str(sharded), *options], env) for cmd, env in ranks(1, WORKER)], sharded / "log")
+    run([([sys.executable, str(WORKER), str(single), str(STEPS), "--device", "cuda"], {})], single / "log")
+    for a, ref in zip(records(sharded), records(single), strict=True):
+        assert a["weight_seen"]["type"] == "Fp8GatheredWeight"
+        assert a["weight_seen"]["bytes"] == a["weight_seen"]["numel"]
+        assert a["loss"] == pytest.approx(ref["loss"], rel=5e-3), a["step"]
+        assert a["scale"][1] == pytest.approx(ref["scale"][1], rel=1e-2), a["step"]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_two_ranks_train_with_the_fp8_all_gather(tmp_path_factory):
     """The gloo checks above, on two GPUs with NCCL: FP8 on the wire, one FP8 state, the unsharded losses,
