@@ -1,17 +1,19 @@
 """FSDP2 on N GPUs: BF16 against hf-fp8, with and without the FP8 all-gather of weights.
 
-    torchrun --nproc_per_node N benchmarks/fsdp_bench.py [--shape 8b] [--modes bf16,hf-fp8,hf-fp8-ag]
-        [--compile]
+    torchrun --nproc_per_node N benchmarks/fsdp_bench.py [--shape 8b] [--layers L]
+        [--modes bf16,hf-fp8,hf-fp8-ag] [--compile]
 
 Every mode builds the same Llama-shaped model in BF16 (patched first for the hf-fp8 modes: native
 backend, hybrid delayed scaling; ``hf-fp8-ag`` adds ``fp8_all_gather``, ``hf-fp8-head-backward`` the
-``head-backward`` recipe's FP8 backward of the output head), shards each decoder layer
-and then the root with ``fully_shard``, and trains on 4 x 2048 tokens a rank with fused AdamW. Rank 0
-prints a JSON line per mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU
-(of the timed steps, and of the warm-up: a first FP8 step runs eagerly before the blocks compile),
-and the bytes all-gathered per step. Those are counted, not sniffed: each sharded parameter is
-gathered twice a step (forward, and again for the backward after resharding), at its all-gather
-dtype's size (one byte a value for the weights gathered in FP8).
+``head-backward`` recipe's FP8 backward of the output head, ``hf-fp8-ag-head-backward`` both), shards
+each decoder layer and then the root with ``fully_shard``, and trains on 4 x 2048 tokens a rank with
+fused AdamW. Rank 0 prints a JSON line per mode and one table: tokens/s per GPU, the ratio to BF16,
+peak memory per GPU (of the timed steps, and of the warm-up: a first FP8 step runs eagerly before the
+blocks compile), and the bytes all-gathered per step. Those are counted, not sniffed: each sharded
+parameter is gathered twice a step (forward, and again for the backward after resharding), at its
+all-gather dtype's size (one byte a value for the weights gathered in FP8). ``--layers`` changes the
+shape's depth (fewer, to run the 8B layer shape on one GPU), ``--profile`` and
+``--trace`` say where a step's time goes.
 
 ``--device cpu --shape tiny`` runs it with gloo as a smoke test of the script.
 """
@@ -19,6 +21,7 @@ dtype's size (one byte a value for the weights gathered in FP8).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -26,7 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import SHAPES, build
+from harness import SHAPES, build, export_trace, gpu_time_by_kind
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +40,7 @@ RECIPES = {
     "hf-fp8": hf_fp8.Fp8Recipe(),
     "hf-fp8-ag": hf_fp8.Fp8Recipe(fp8_all_gather=True),
     "hf-fp8-head-backward": hf_fp8.Fp8Recipe.named("head-backward"),
+    "hf-fp8-ag-head-backward": hf_fp8.Fp8Recipe.named("head-backward").replace(fp8_all_gather=True),
 }
 MODES = ("bf16", *RECIPES)
 GATHERS_PER_STEP = 2  # forward, and backward after reshard_after_forward
@@ -53,7 +57,14 @@ def all_gather_bytes(model: torch.nn.Module) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
-    model = build(args.shape, args.device)
+    # Each mode compiles from scratch: the loss function is one function object for every mode's model,
+    # and its recompiles would count towards one limit (past it, a mode ran its loss eagerly, with the
+    # float32 logits' memory: +5.2 GiB on the 8B shape, and in one run of two only).
+    torch._dynamo.reset()
+    gc.collect()  # the last mode's model (FSDP2's state holds reference cycles)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    model = build(args.shape, args.device, args.layers)
     if mode != "bf16":
         hf_fp8.patch_model(model, RECIPES[mode], backend="native")
     for layer in model.model.layers:
@@ -67,27 +78,35 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    warmup_peak_gib = 0.0
-    for step in range(args.warmup + args.steps):
-        if cuda and step == args.warmup:  # the warm-up (first steps, compilation) apart
-            warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+
+    def step() -> torch.Tensor:
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)
-        start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    times, losses = [], []
+    warmup_peak_gib = 0.0
+    for index in range(args.warmup + args.steps):
+        if cuda and index == args.warmup:  # the warm-up (first steps, compilation) apart
+            warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = step()
         if cuda:
             torch.cuda.synchronize()
-        if step >= args.warmup:
+        if index >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     seconds = statistics.median(times)
+    profile = gpu_time_by_kind(step) if args.profile and cuda else {}  # every rank: the steps gather
+    trace = export_trace(step, args.trace, f"{args.shape}-{mode}-rank{rank}") if args.trace and cuda else None
     return {
         "mode": mode,
         "shape": args.shape,
+        "layers": model.config.num_hidden_layers,
         "gpus": dist.get_world_size(),
         "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
         "ms_per_step": seconds * 1e3,
@@ -96,6 +115,8 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "all_gather_mib_per_step": all_gather_bytes(model) / 2**20,
         "loss": losses[-1],
         "losses": losses,
+        **({"gpu_ms": profile} if profile else {}),
+        **({"trace": trace} if trace else {}),
     }
 
 
@@ -103,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layers", type=int, help="the shape's number of layers, changed (one GPU: fewer)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="hf_fp8.compile after sharding")
+    parser.add_argument("--profile", action="store_true", help="also a step's GPU time by kernel kind")
+    parser.add_argument(
+        "--trace", help="also write one step's CPU/GPU timeline (Chrome trace) here, per rank"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]

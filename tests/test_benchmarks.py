@@ -3,6 +3,7 @@ measurement, so that a GPU session does not spend its time on a broken script.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,10 +84,13 @@ def test_moe_bench_runs():
 def test_fsdp_bench_runs_on_two_gloo_ranks():
     out = bench(
         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
-        "--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "32", *TIMING,
+        "--device", "cpu", "--shape", "tiny", "--layers", "3", "--batch", "2", "--seq", "32", *TIMING,
     )  # fmt: skip
     table = table_rows(out)
-    assert set(table) == {"bf16", "hf-fp8", "hf-fp8-ag", "hf-fp8-head-backward"}, out
+    modes = {"bf16", "hf-fp8", "hf-fp8-ag", "hf-fp8-head-backward", "hf-fp8-ag-head-backward"}
+    assert set(table) == modes, out
+    assert all(json.loads(line)["layers"] == 3 for line in out.splitlines() if line.startswith("{"))
     gathered = {mode: float(cells[4].replace(",", "")) for mode, cells in table.items()}
     assert gathered["hf-fp8-ag"] < gathered["hf-fp8"] == gathered["bf16"] == gathered["hf-fp8-head-backward"]
+    assert gathered["hf-fp8-ag-head-backward"] == gathered["hf-fp8-ag"], "a head in BF16 is gathered in BF16"
     assert table["hf-fp8-ag"][5] == table["hf-fp8"][5], "the FP8 all-gather changes no number"
