@@ -57,9 +57,9 @@ def all_gather_bytes(model: torch.nn.Module) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
-    # Each mode compiles from scratch: the loss function is one function object for every mode's model,
-    # and its recompiles would count towards one limit (past it, a mode ran its loss eagerly, with the
-    # float32 logits' memory: +5.2 GiB on the 8B shape, and in one run of two only).
+    # Each mode compiles from scratch, as harness.run_all has it: the loss function is one function object
+    # for every mode's model, so its recompiles would count towards one limit. Without this, one run of
+    # two measured head-backward at 35.7 GiB instead of 30.5 (8B shape at 8 layers, one H100).
     torch._dynamo.reset()
     gc.collect()  # the last mode's model (FSDP2's state holds reference cycles)
     if args.device == "cuda":
