@@ -1,64 +1,49 @@
-"""Two copies of FSDP2's FP8 all-gather as one Triton kernel each, on CUDA tensors.
+"""Two copies that no compiled graph reaches, in one pass each on a GPU.
 
-No compiled graph reaches them: FSDP2 runs its all-gather hook eagerly, and the gathered weight's
-column-major copy for the input gradient is an opaque op on purpose (see
-:func:`hf_fp8.gemm.column_major_copy`). Eagerly, PyTorch makes the shard's cast four passes over it
-(to float32, times the scale, clamp, convert: 27 bytes moved a BF16 value) and the transpose of a
-one-byte tensor an uncoalesced strided copy. Here each is one pass: the cast reads the value and
-writes one byte, the transpose goes through tiles.
-
-Imported only for CUDA tensors: Triton comes with the CUDA builds of torch, not the CPU build.
+FSDP2 runs its all-gather hook eagerly, so the cast of each weight's shard to FP8 there runs as torch ops:
+four passes over the shard (to float32, times the scale, clamp, convert; 27 bytes moved a BF16 value).
+A weight already in FP8 (all-gathered so, or stored frozen) reaches the input gradient's GEMM through a
+column-major copy that is an opaque op on purpose (see :func:`hf_fp8.gemm.column_major_copy`); eagerly, a
+one-byte transpose is an uncoalesced strided copy (290 GB/s on an H100). On CUDA tensors both are a Triton
+kernel of :mod:`hf_fp8.triton_kernels` (2.3 TB/s for that transpose); elsewhere, and where Triton is not
+installed, the torch ops, which give the same bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
-import triton
-import triton.language as tl
 
-from hf_fp8.formats import Fp8Format
+from hf_fp8.formats import Fp8Format, cast_to_fp8
 
-__all__ = ["saturating_cast", "transposed_copy"]
-
-_CAST_BLOCK = 4096
-_TILE = 64
+__all__ = ["cast_into", "transposed_copy"]
 
 
-@triton.jit
-def _saturating_cast_kernel(source, target, scale, count, fp8_max, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < count
-    scaled = tl.load(source + offsets, mask=inside).to(tl.float32) * tl.load(scale)
-    clamped = tl.clamp(scaled, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(target + offsets, clamped.to(target.dtype.element_ty), mask=inside)
+def cast_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Write :func:`~hf_fp8.formats.cast_to_fp8` of ``x`` with ``scale`` (a float32 scalar tensor) into
+    ``out``, of ``x``'s shape and contiguous, and return ``out``."""
+    if _triton_runs_on(x) and x.is_contiguous():
+        from hf_fp8 import triton_kernels  # only where Triton is installed
 
-
-@triton.jit
-def _transpose_kernel(source, target, rows, columns, TILE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    column = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    inside = (row[:, None] < rows) & (column[None, :] < columns)
-    tile = tl.load(source + row[:, None] * columns + column[None, :], mask=inside)
-    tl.store(target + column[None, :] * rows + row[:, None], tile, mask=inside)
-
-
-def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, out: torch.Tensor) -> torch.Tensor:
-    """Write ``fp8(x * scale)``, clamped to the format's largest finite value (NaN stays NaN), into
-    ``out``: what :func:`hf_fp8.formats.cast_to_fp8` computes, bit for bit, in one pass. ``x`` and
-    ``out`` are contiguous, of the same number of values; ``scale`` is a float32 scalar tensor."""
-    count = x.numel()
-    if count:
-        grid = (triton.cdiv(count, _CAST_BLOCK),)
-        _saturating_cast_kernel[grid](x, out, scale, count, fmt.max, BLOCK=_CAST_BLOCK)
-    return out
+        return triton_kernels.saturating_cast(x, scale, fmt, out)
+    return out.copy_(cast_to_fp8(x, scale, fmt))
 
 
 def transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t.t().contiguous()`` for a contiguous 2-D tensor of one-byte values."""
-    rows, columns = t.shape
-    source = t.view(torch.uint8)
-    target = torch.empty((columns, rows), dtype=torch.uint8, device=t.device)
-    if t.numel():
-        grid = (triton.cdiv(rows, _TILE), triton.cdiv(columns, _TILE))
-        _transpose_kernel[grid](source, target, rows, columns, TILE=_TILE)
-    return target.view(t.dtype)
+    """``t.t()`` of a 2-D tensor of one-byte values, as a new contiguous tensor."""
+    if _triton_runs_on(t):
+        from hf_fp8 import triton_kernels  # only where Triton is installed
+
+        return triton_kernels.transposed_copy(t.contiguous())
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
+def _triton_runs_on(t: torch.Tensor) -> bool:
+    return t.is_cuda and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.cuda_copies import cast_into
+from hf_fp8.formats import Fp8Format, compute_scale
 from hf_fp8.scaling import WEIGHT
 from hf_fp8.stored_weight import Fp8GatheredWeight
 
@@ -185,16 +186,11 @@ class Fp8ShardedWeight(torch.Tensor):
 def shard_in_fp8(values: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, rows: int) -> torch.Tensor:
     """``values`` cast to ``fmt`` with ``scale``, as ``rows`` rows: zero rows pad an uneven last shard
     to the size FSDP2 gathers. FSDP2 calls its hook eagerly, twice a step for every weight, so on a GPU
-    the cast is one Triton kernel (:mod:`hf_fp8.cuda_copies`), not four passes over the shard."""
+    the cast is one pass (:mod:`hf_fp8.cuda_copies`), not four."""
     shard = torch.empty((rows, *values.shape[1:]), dtype=fmt.dtype, device=values.device)
     padding = rows - values.shape[0]
     cast_rows = shard[: values.shape[0]] if padding else shard
-    if values.is_cuda and values.is_contiguous():
-        from hf_fp8.cuda_copies import saturating_cast  # Triton: only with a CUDA build of torch
-
-        saturating_cast(values, scale, fmt, cast_rows)
-    else:
-        cast_rows.copy_(cast_to_fp8(values, scale, fmt))
+    cast_into(cast_rows, values, scale, fmt)
     if padding:
         shard[values.shape[0] :].zero_()
     return shard

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hf_fp8.cuda_copies import transposed_copy
 from hf_fp8.formats import (
     FP8_ALIGNMENT,
     Fp8Format,
@@ -207,16 +208,8 @@ def column_major_copy(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     column-major. Made from ``t`` with plain ops, a compiled step's partitioner may make the copy in the
     forward and keep it for the backward: under FSDP2 one byte a value of every layer's unsharded weight
     (measured). Taking the gradient's cast as ``after`` keeps the copy in the backward, one layer at a
-    time."""
-    return t.t().contiguous().t()
-
-
-@column_major_copy.register_kernel("cuda")
-def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    # eagerly, a one-byte transpose is an uncoalesced strided copy; a tiled Triton kernel is one pass
-    from hf_fp8.cuda_copies import transposed_copy  # Triton: only with a CUDA build of torch
-
-    return transposed_copy(t.contiguous()).t()
+    time. Eagerly a one-byte transpose is an uncoalesced strided copy; on a GPU it is one tiled pass."""
+    return transposed_copy(t).t()
 
 
 @column_major_copy.register_fake
