@@ -12,8 +12,8 @@ peak memory per GPU (of the timed steps, and of the warm-up: a first FP8 step ru
 blocks compile), and the bytes all-gathered per step. Those are counted, not sniffed: each sharded
 parameter is gathered twice a step (forward, and again for the backward after resharding), at its
 all-gather dtype's size (one byte a value for the weights gathered in FP8). ``--layers`` changes the
-shape's depth (fewer, to run the 8B layer shape on one GPU), ``--profile`` and
-``--trace`` say where a step's time goes.
+shape's depth (fewer, to run the 8B layer shape on one GPU); ``--profile`` and ``--trace`` say where a
+step's time goes.
 
 ``--device cpu --shape tiny`` runs it with gloo as a smoke test of the script.
 """
@@ -21,7 +21,6 @@ shape's depth (fewer, to run the 8B layer shape on one GPU), ``--profile`` and
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import SHAPES, build, export_trace, gpu_time_by_kind
+from harness import SHAPES, build, export_trace, fresh_start, gpu_time_by_kind
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -57,13 +56,9 @@ def all_gather_bytes(model: torch.nn.Module) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
-    # Each mode compiles from scratch, as harness.run_all has it: the loss function is one function object
-    # for every mode's model, so its recompiles would count towards one limit. Without this, one run of
-    # two measured head-backward at 35.7 GiB instead of 30.5 (8B shape at 8 layers, one H100).
-    torch._dynamo.reset()
-    gc.collect()  # the last mode's model (FSDP2's state holds reference cycles)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    # Without it, one run of two measured head-backward at 35.7 GiB instead of 30.5 (8B shape at 8 layers,
+    # one H100).
+    fresh_start()
     model = build(args.shape, args.device, args.layers)
     if mode != "bf16":
         hf_fp8.patch_model(model, RECIPES[mode], backend="native")

@@ -194,21 +194,28 @@ def export_trace(step: Callable[[], torch.Tensor], folder: str, name: str) -> st
     return path + ".gz"
 
 
+def fresh_start() -> None:
+    """Before a mode: it compiles from scratch (never into another mode's recompile limit: the loss
+    function is one function object for every mode's model) and the last mode's model is freed (FSDP2's
+    state holds reference cycles), so neither its graphs nor its memory count towards this mode's."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_all(modes: list[str], run_mode, args: argparse.Namespace) -> list[dict]:
     """``run_mode`` for each mode, one after the other, each printed (and appended to ``args.out``) as
     it finishes; a mode that fails is reported and the others still run."""
     results = []
     for mode in modes:
-        torch._dynamo.reset()  # each mode compiles from scratch, never into another mode's recompile limit
+        fresh_start()
         try:
             args.current_mode = mode  # names the trace file, if one is asked for
             result = run_mode(mode, args)
         except Exception as err:  # report and go on: one broken mode must not hide the others
             traceback.print_exc()  # the whole story on stderr; the table gets one line
             result = {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:500]}
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         results.append(result)
         print(json.dumps(result), flush=True)
         if args.out:

@@ -61,7 +61,8 @@ _KEEPS_WRAPPER = {
 }
 
 
-# The layer attribute holding the shard its weight was last all-gathered from (see gathered_shard).
+# The layer attribute holding the shard its weight was last all-gathered from (see gathered_shard): a
+# plain attribute in the layer's __dict__, written and read there (not through nn.Module's __setattr__).
 _GATHERED_SHARD = "fp8_gathered_shard"
 
 
@@ -149,7 +150,7 @@ class Fp8ShardedWeight(torch.Tensor):
         values = self._tensor.detach()
         # The step's end takes the weight's amax from this shard (the weight may still be gathered then,
         # and the history must not change between a compiled forward and its backward, which saves it).
-        setattr(layer, _GATHERED_SHARD, values)
+        layer.__dict__[_GATHERED_SHARD] = values
         if layer.stored_scale_roles()[WEIGHT]:
             scale = layer.scale[WEIGHT].to(torch.float32, copy=True)
         else:  # no stored scale yet: the whole weight's amax, the same on every rank
