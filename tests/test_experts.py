@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import demo_data
 import pytest
 import tiny_models as tm
 import torch
@@ -12,7 +13,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_fp8
-from hf_fp8.assets import load_text
 from hf_fp8.experts import Fp8Experts
 from hf_fp8.grouped import expert_dgrad, expert_forward, expert_wgrad, group_layout
 
@@ -47,9 +47,7 @@ MOE_CONFIGS = {
 
 
 def text_batches(steps: int, batch: int = 4, length: int = 32) -> list[dict[str, torch.Tensor]]:
-    """Shakespeare as bytes (the tiny models' vocabulary is 256)."""
-    data = torch.frombuffer(bytearray(load_text()[: steps * batch * length]), dtype=torch.uint8).long()
-    return [{"input_ids": r, "labels": r.clone()} for r in data.view(steps, batch, length)]
+    return demo_data.text_batches(steps, batch, length)
 
 
 def build(arch: str, seed: int = 0) -> torch.nn.Module:

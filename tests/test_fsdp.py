@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tiny_models as tm
 import torch
-from test_distributed import HF_FP8, free_port, ranks, run
+from test_distributed import free_port, ranks, run
 
 import hf_fp8
 from hf_fp8 import E4M3, Fp8Linear, Fp8Recipe
@@ -254,8 +254,9 @@ def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
     script with ``prepare_fp8``: the weights are all-gathered in FP8, both ranks hold one FP8 state, and
     a run resumed from ``accelerator.save_state`` follows the uninterrupted one."""
     config = Path(__file__).resolve().parents[1] / "examples" / "fsdp2.yaml"
-    launch = [str(HF_FP8), "launch", "--config_file", str(config), "--recipe", "fsdp-fp8"]
-    launch += ["--main_process_port", str(free_port()), str(WORKER)]
+    # the command as a module: a GPU host may have the checkout on PYTHONPATH, not the console script
+    launch = [sys.executable, "-m", "hf_fp8.cli", "launch", "--config_file", str(config)]
+    launch += ["--recipe", "fsdp-fp8", "--main_process_port", str(free_port()), str(WORKER)]
     options = ("--accelerate", "--fp8-all-gather", "--device", "cuda")
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     for folder in (first, resumed):

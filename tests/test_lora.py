@@ -3,6 +3,7 @@
 import copy
 import warnings
 
+import demo_data
 import pytest
 import tiny_models as tm
 import torch
@@ -12,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from hf_fp8 import RECIPES, Fp8Linear, fp8_autocast, is_patched, patch_model, unpatch_model
-from hf_fp8.assets import load_text
 from hf_fp8.linear import Fp8Conv1D, Fp8Module
 from hf_fp8.patch_state import get_state
 from hf_fp8.peft import from_pretrained_fp8, merge_and_unload
@@ -46,9 +46,7 @@ def lora_for(model, targets: list[str]):
 
 
 def text_batches(steps: int, batch: int = 8, length: int = 64) -> list[dict[str, torch.Tensor]]:
-    data = torch.frombuffer(bytearray(load_text()[: steps * batch * length]), dtype=torch.uint8).long()
-    rows = data.view(steps, batch, length)
-    return [{"input_ids": r, "labels": r.clone()} for r in rows]
+    return demo_data.text_batches(steps, batch, length)
 
 
 def train(model, batches, arch="llama", lr=5e-2) -> list[float]:
@@ -220,7 +218,9 @@ def test_real_pretrained_minilm_lora_learns_like_high_precision():
 
     path = gt.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lines = [line for line in load_text().decode("latin-1").splitlines() if len(line) > 40][:160]
+    lines = [
+        line for line in demo_data.shakespeare_bytes(400_000).decode("latin-1").splitlines() if len(line) > 40
+    ][:160]
     batches = [
         dict(tokenizer(lines[i : i + 16], padding=True, return_tensors="pt")) for i in range(0, 160, 16)
     ]

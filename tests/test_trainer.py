@@ -4,6 +4,7 @@ Shakespeare's text (bytes as tokens)."""
 import shutil
 import warnings
 
+import demo_data
 import pytest
 import tiny_models as tm
 import torch
@@ -20,7 +21,6 @@ from hf_fp8 import (
     patch_model,
     save_fp8_state,
 )
-from hf_fp8.assets import load_text
 from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.backends.te import recomputes_activations
 from hf_fp8.checkpoint import FP8_STATE_FILE, fp8_state_dict
@@ -33,9 +33,8 @@ LENGTH = 64
 @pytest.fixture(scope="module")
 def text_rows() -> list[dict[str, torch.Tensor]]:
     """512 windows of 64 bytes of Shakespeare, as a dataset of causal-LM examples."""
-    data = torch.frombuffer(bytearray(load_text()[: 512 * LENGTH]), dtype=torch.uint8).long()
-    rows = data.view(512, LENGTH)
-    return [{"input_ids": row, "labels": row.clone()} for row in rows]
+    (batch,) = demo_data.text_batches(1, 512, LENGTH)
+    return [{"input_ids": row, "labels": row.clone()} for row in batch["input_ids"]]
 
 
 def arguments(out, **changes) -> TrainingArguments:
