@@ -250,6 +250,7 @@ def _env(argv: list[str]) -> int:
         print(f"{package:<20} {version}")
     scaled_mm = "available" if hasattr(torch, "_scaled_mm") else "missing (FP8 GEMMs emulated)"
     print(f"{'torch._scaled_mm':<20} {scaled_mm}")
+    _print_cpu_gemms()
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             capability = torch.cuda.get_device_capability(i)
@@ -263,6 +264,23 @@ def _env(argv: list[str]) -> int:
     if torch.cuda.is_available():
         print(f"{'cuDNN':<20} {_cudnn_status()}")
     return 0
+
+
+def _print_cpu_gemms() -> None:
+    """Which call each FP8 operand pairing takes on this CPU, and why (see hf_fp8.cpu_gemm)."""
+    import torch
+
+    from hf_fp8.cpu_gemm import cpu_gemm_choices
+
+    capability, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
+    print(f"FP8 GEMMs on the CPU ({capability}, {threads} threads):")
+    calls = {
+        "scaled_mm": "torch._scaled_mm",
+        "scaled_mm_rowwise_scales": "torch._scaled_mm, scales in row-wise shape",
+        "emulated": "float32 emulation",
+    }
+    for pairing, choice in cpu_gemm_choices().items():
+        print(f"  {pairing}: {calls[choice.call]} ({choice.reason})")
 
 
 def _cudnn_status() -> str:

@@ -7,11 +7,11 @@ weights, see the same batches in the same order with the same optimizer settings
 is :func:`hf_fp8.patch_model`. LoRA by default (frozen base weights stored in FP8 in the FP8 run),
 ``--full`` for a full fine-tune. Writes ``loss_curves.png`` and ``report.md`` to ``--out``.
 
-On the CPU the FP8 run uses real FP8 casts and FP8 GEMMs (``torch._scaled_mm``'s reference kernels,
-slower than BF16); on an FP8 GPU both runs are compiled (``hf_fp8.compile``) and FP8 is the fast one.
-A CPU without native BF16 arithmetic (AVX2 only) multiplies BF16 a hundred times slower than float32:
-there the high-precision run, and the FP8 run around its FP8 GEMMs, compute in float32
-(``--precision``).
+On the CPU the FP8 run uses real FP8 casts and FP8 GEMMs (computed as ``torch._scaled_mm``'s float32
+fallback does, on every CPU: :mod:`hf_fp8.cpu_gemm`), slower than BF16; on an FP8 GPU both runs are
+compiled (``hf_fp8.compile``) and FP8 is the fast one. A CPU without native BF16 arithmetic (AVX2
+only) multiplies BF16 a hundred times slower than float32: there the high-precision run, and the FP8
+run around its FP8 GEMMs, compute in float32 (``--precision``).
 
     hf-fp8 demo [--full] [--steps 40] [--seq-len 128] [--device cpu|cuda] [--out hf-fp8-demo]
 """

@@ -146,8 +146,9 @@ def write_report(arms, args: argparse.Namespace, patch_report, path: Path, held_
     if args.device == "cpu":
         lines.insert(
             4,
-            "On the CPU the FP8 run computes real FP8 casts and GEMMs with `torch._scaled_mm`'s reference "
-            f"kernels, so it is slower than {name}; the speed-up is an FP8 GPU's (see `benchmarks/`).\n",
+            "On the CPU the FP8 run computes real FP8 casts and GEMMs (FP8 values multiplied and summed "
+            f"in float32, as `torch._scaled_mm`'s CPU fallback does), so it is slower than {name}; the "
+            "speed-up is an FP8 GPU's (see `benchmarks/`).\n",
         )
     path.write_text("\n".join(lines))
     return path

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hf_fp8.cpu_gemm import cpu_fp8_mm
 from hf_fp8.cuda_copies import transposed_copy
 from hf_fp8.formats import (
     FP8_ALIGNMENT,
@@ -288,10 +289,13 @@ def fp8_mm(
     """``(a * a_inverse) @ (b * b_inverse)`` for FP8 ``a`` (row-major) and ``b`` (column-major), where
     the inverses are the operands' dequantization factors (1 / the scale each was cast with).
 
-    Uses ``torch._scaled_mm``. Where it cannot run this pairing (torch without it; cuBLAS has no
-    E5M2 x E5M2 kernel) the product is emulated exactly: FP8 values multiply exactly in float32 and
-    accumulate in float32, as the tensor cores do. Emulation is announced once per pairing.
+    Uses ``torch._scaled_mm``; on the CPU, the call that gives its float32 fallback's numbers fast on
+    this CPU (:mod:`hf_fp8.cpu_gemm`). Where a GPU cannot run this pairing (no FP8 tensor cores;
+    cuBLAS has no E5M2 x E5M2 kernel) the product is emulated exactly: FP8 values multiply exactly in
+    float32 and accumulate in float32, as the tensor cores do. Emulation is announced once per pairing.
     """
+    if a.device.type == "cpu":
+        return cpu_fp8_mm(a, b, a_inverse, b_inverse, out_dtype)
     if _scaled_mm_supported(a, b):
         return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=out_dtype)
     key = (a.device.type, a.dtype, b.dtype)
@@ -313,4 +317,4 @@ def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.is_cuda:
         return gpu_has_fp8(a.device) and not a.dtype == b.dtype == torch.float8_e5m2
-    return True
+    return True  # another accelerator: its kernels, or its own error

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hf_fp8.cpu_gemm  # noqa: F401  (registers the op hf_fp8::emulated_fp8_mm)
 from hf_fp8.formats import E4M3, Fp8Format, gpu_has_fp8
 
 # Unit roundoff (half a mantissa step, relative) and half the subnormal spacing of each format.
@@ -27,14 +28,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 class ScaledMmCalls(TorchDispatchMode):
-    """Records the operand dtypes of every ``aten._scaled_mm`` call made inside the ``with`` block."""
+    """Records the operand dtypes of every FP8 GEMM made inside the ``with`` block: ``aten._scaled_mm``,
+    or on a CPU whose ``_scaled_mm`` is slow for the pairing, hf-fp8's emulation of it (hf_fp8.cpu_gemm)."""
+
+    GEMMS = (torch.ops.aten._scaled_mm.default, torch.ops.hf_fp8.emulated_fp8_mm.default)
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[torch.dtype, torch.dtype]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._scaled_mm.default:
+        if func in self.GEMMS:
             self.calls.append((args[0].dtype, args[1].dtype))
         return func(*args, **(kwargs or {}))
 

