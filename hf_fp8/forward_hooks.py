@@ -2,7 +2,9 @@
 of the model's class or ``forward`` is replaced; :func:`install` returns the handles).
 
 Before the forward, in FP8: enter the backend's forward context (``te.autocast`` for Transformer
-Engine), end a step still pending, and pad the token dimension to a multiple of 16. After the forward,
+Engine), end a step still pending, and pad the token dimension to a multiple of 16. Under
+nn.DataParallel the hooks run for each GPU's replica of the model, in a thread each: the backend then
+learns of each replica (or refuses to run there, with the reason). After the forward,
 always: leave that context (so the backward runs outside it), have the FP8 step end when the
 backward through the outputs has finished, and slice per-token outputs back to the caller's length.
 """
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_fp8.autocast import fp8_active
+from hf_fp8.backends.base import data_parallel_refusal
 from hf_fp8.distributed import default_amax_group
 from hf_fp8.padding import PaddedLengths, pad_batch, unpad_outputs
 from hf_fp8.patch_state import ForwardCall, PatchState, get_state
@@ -41,7 +44,10 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     state: PatchState = get_state(model)
     recipe = state.recipe
     call = ForwardCall(PaddedLengths({}), fp8=fp8_active(model.training, recipe.use_during_eval))
-    state.calls.append(call)
+    replica = getattr(model, "_is_replica", False)  # nn.DataParallel's copy of the model for one GPU
+    if replica and call.fp8 and (problem := state.backend.replica_problem()) is not None:
+        raise RuntimeError(data_parallel_refusal(state.backend.name, problem))
+    state.push_call(call)
     context = state.backend.forward_context(model, call.fp8, state.amax_group or default_amax_group())
     context.__enter__()
     call.context = context
@@ -50,6 +56,8 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
         return None
     if model.training and state.step_pending:  # a step whose end could not be hooked
         end_step(state)
+    if replica and model.training and torch.is_grad_enabled():
+        state.backend.track_replica(model)
     batch = _as_kwargs(model, args, kwargs)
     config = getattr(model, "config", None)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
@@ -63,7 +71,9 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
     state: PatchState = get_state(model)
-    call = state.calls.pop()
+    call = state.pop_call()
+    if call is None:  # _before_forward raised: the forward never ran
+        return outputs
     if call.context is not None:
         call.context.__exit__(None, None, None)
     if call.fp8 and model.training and torch.is_grad_enabled():

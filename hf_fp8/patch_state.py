@@ -7,6 +7,7 @@ it is not patched.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,25 @@ class PatchState:
     handles: list[RemovableHandle] = field(default_factory=list)
     # A training forward ran in FP8 since the last step end.
     step_pending: bool = False
-    calls: list[ForwardCall] = field(default_factory=list)
+    # The forwards in flight, a stack per thread: nn.DataParallel runs its replicas' forwards (and so
+    # this model's hooks) in a thread per GPU at once.
+    calls: dict[int, list[ForwardCall]] = field(default_factory=dict)
+
+    def push_call(self, call: ForwardCall) -> None:
+        """A forward of this thread starts."""
+        self.calls.setdefault(threading.get_ident(), []).append(call)
+
+    def pop_call(self) -> ForwardCall | None:
+        """The innermost forward of this thread ends; ``None`` when none started (its pre-hook refused
+        it). A thread's stack goes once empty: DataParallel starts new threads at every forward."""
+        thread = threading.get_ident()
+        stack = self.calls.get(thread)
+        if not stack:
+            return None
+        call = stack.pop()
+        if not stack:
+            del self.calls[thread]
+        return call
 
 
 def get_state(model: nn.Module, own: bool = False) -> PatchState | None:

@@ -50,6 +50,10 @@ class Fp8Scaled(nn.Module):
         # of the module's first step and whenever the state is loaded: see refresh_stored_scales.
         self.stored_scales: tuple[bool, ...] = (False,) * roles
         self.scale_checks_left = _SCALE_CHECKS
+        # What nn.DataParallel's replicas of this module recorded in the step (see record_replica): a
+        # plain list, which every replica shares with this module (a replica's attributes are a shallow
+        # copy of the module's).
+        self.replica_records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def _apply(self, fn, recurse: bool = True):
         """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
@@ -87,6 +91,20 @@ class Fp8Scaled(nn.Module):
         roles = len(self.ROLE_NAMES)
         device = self.scale.device
         self.cast_counts = torch.zeros(roles, 3, dtype=torch.int64, device=device) if on else None
+
+    def record_replica(self) -> None:
+        """Called on nn.DataParallel's replica of this module for one GPU, before its training forward.
+        The replica records amaxes into copies of the module's amax history (the first GPU's share its
+        storage), which nn.DataParallel drops after the forward; the copies, and cast counts of the
+        replica's own, are kept in ``replica_records`` for the step's end to fold into the module's."""
+        if self.cast_counts is not None:
+            self.cast_counts = torch.zeros_like(self.cast_counts, device=self.scale.device)
+        self.replica_records.append((self.amax_history, self.cast_counts))
+
+    def take_replica_records(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The (amax history, cast counts) of the replicas recorded since the last call."""
+        records, self.replica_records = self.replica_records, []
+        return records
 
     def remember_float_module(self, source: nn.Module) -> None:
         """Keep the module this one was made from, to give it back on undo, and take over its parameter

@@ -11,6 +11,7 @@ Trainer callback calls :func:`end_pending_step`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,12 +33,17 @@ __all__ = [
 ]
 
 
+# nn.DataParallel runs a model's forwards in a thread per GPU; a step still pending ends once.
+_ending = threading.Lock()
+
+
 @torch.no_grad()
 def end_step(state: PatchState) -> None:
     """End the pending FP8 step, if any."""
-    if state.step_pending:
-        state.backend.end_step(state.amax_group or default_amax_group())
-    state.step_pending = False
+    with _ending:
+        if state.step_pending:
+            state.backend.end_step(state.amax_group or default_amax_group())
+        state.step_pending = False
 
 
 def end_pending_step(model: nn.Module) -> None:

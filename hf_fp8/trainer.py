@@ -29,8 +29,10 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import ParallelMode
 
-from hf_fp8.backends.registry import backend_class, backend_for_fsdp
+from hf_fp8.backends.base import data_parallel_refusal
+from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
 from hf_fp8.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.guard import Fp8NanGuard
@@ -243,6 +245,8 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
             "would skip reach the NaN guard, which raises by default); use bf16=True",
             stacklevel=3,
         )
+    if _data_parallel(args) and (problem := backend.replica_problem()) is not None:
+        raise ValueError(data_parallel_refusal(backend.name, problem))
     if backend.recompute_problem is not None and _checkpointing_requested(args):
         raise ValueError(
             f"hf_fp8: gradient_checkpointing with the {backend.name} backend "
@@ -265,6 +269,12 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
         )
 
 
+def _data_parallel(args: Any) -> bool:
+    """Whether the Trainer will wrap the model in nn.DataParallel: several GPUs, no launcher."""
+    mode = getattr(args, "parallel_mode", None)
+    return getattr(args, "n_gpu", 1) > 1 and mode == ParallelMode.NOT_DISTRIBUTED
+
+
 def _checkpointing_requested(args: Any) -> bool:
     """Activation (before transformers 5: gradient) checkpointing is asked for."""
     name = (
@@ -279,6 +289,8 @@ def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     arguments, a backend that trains sharded."""
     if getattr(args, "fsdp", None):
         return backend_for_fsdp(backend)
+    if _data_parallel(args):
+        return backend_for_data_parallel(backend)
     if backend != "auto":
         return backend
     device = getattr(args, "device", torch.device("cpu"))

@@ -27,7 +27,7 @@ from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import ModuleRecord, PatchReport
 from hf_fp8.scaling_state import LayerScaling
 
-__all__ = ["Fp8Backend", "FusedBlock", "Replaced"]
+__all__ = ["Fp8Backend", "FusedBlock", "Replaced", "data_parallel_refusal"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class Fp8Backend(ABC):
     recompute_problem: ClassVar[str | None] = None
     # Why a model of this backend is not to be sharded by FSDP (None: it trains sharded).
     fsdp_problem: ClassVar[str | None] = None
+    # Why a model of this backend does not train under nn.DataParallel (None: it does).
+    data_parallel_problem: ClassVar[str | None] = "hf-fp8 has not tested this backend under nn.DataParallel"
     # Whether a patch of this backend can move to a module inside the patched model (PEFT's
     # merge_and_unload returns the base model of the PeftModel that was patched).
     movable: ClassVar[bool] = False
@@ -147,6 +149,16 @@ class Fp8Backend(ABC):
         """Work due before a forward (e.g. storing newly frozen weights in FP8)."""
         return None
 
+    def replica_problem(self) -> str | None:
+        """Why this patch cannot train under nn.DataParallel (None: it can): the backend's reason, or
+        its recipe's."""
+        return self.data_parallel_problem
+
+    def track_replica(self, replica: nn.Module) -> None:
+        """``replica``, the copy of the patched model that nn.DataParallel made for one GPU, starts a
+        training forward: what its FP8 layers record there must count at the step's end."""
+        return None
+
     @abstractmethod
     def end_step(self, group: Any) -> None:
         """End an FP8 training step: reduce the step's amaxes over ``group`` (``None``: no reduction)
@@ -165,3 +177,14 @@ class Fp8Backend(ABC):
         """Make sure every layer that has saved scaling state in ``state`` has its state tensors, so
         that loading can copy into them (TE creates its state at the first forward)."""
         return None
+
+
+def data_parallel_refusal(backend: str, problem: str) -> str:
+    """The error for a patch that cannot train under nn.DataParallel, with the ways out."""
+    return (
+        f"hf_fp8: the {backend} backend cannot train under nn.DataParallel (what Trainer does on several "
+        f"GPUs when the script is started without a launcher): {problem}. Start the script with a launcher, "
+        "which trains with DistributedDataParallel, one process a GPU, and is faster: `hf-fp8 launch "
+        "--recipe NAME script.py` or `torchrun --nproc_per_node N script.py`; or train on one GPU "
+        "(CUDA_VISIBLE_DEVICES=0)"
+    )

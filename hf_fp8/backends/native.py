@@ -40,6 +40,7 @@ class NativeBackend(Fp8Backend):
     name = "native"
     keeps_norms = "norm: not a GEMM; the native backend keeps norms in high precision"
     keeps_experts = None
+    data_parallel_problem = None
     movable = True
 
     def __init__(self, recipe: Fp8Recipe) -> None:
@@ -160,8 +161,22 @@ class NativeBackend(Fp8Backend):
             module.store_weights_in_fp8()
             self.unquantized.remove(module)
 
+    def replica_problem(self) -> str | None:
+        if self.recipe.fp8_weights:
+            return (
+                "fp8_weights keeps frozen weights in FP8, and nn.DataParallel copies every weight to each "
+                "GPU at every forward with a copy that takes plain tensors only"
+            )
+        return None
+
+    def track_replica(self, replica: nn.Module) -> None:
+        for module in replica.modules():
+            if isinstance(module, Fp8Scaled):
+                module.record_replica()
+
     def end_step(self, group: Any) -> None:
         self.watch.poll()
+        _fold_replica_records(self.layers)
         named = [(n, m) for n, m in zip(self.names, self.layers, strict=True) if not m.amax_history.is_meta]
         self.watch.submit(end_native_step([m for _, m in named], group), named)
 
@@ -171,7 +186,10 @@ class NativeBackend(Fp8Backend):
             module.recipe = recipe
 
     def state_restored(self, model: nn.Module) -> None:
-        refresh_stored_scales([m for m in model.modules() if isinstance(m, Fp8Scaled)], restored=True)
+        layers = [m for m in model.modules() if isinstance(m, Fp8Scaled)]
+        for layer in layers:
+            layer.take_replica_records()  # what replicas recorded belongs to the state replaced
+        refresh_stored_scales(layers, restored=True)
         self.watch.clear()  # what the restored state replaced is no longer news
 
 
@@ -279,6 +297,31 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
         )
     refresh_stored_scales(layers)
     return bad
+
+
+@torch.no_grad()
+def _fold_replica_records(layers: list[Fp8Scaled]) -> None:
+    """Fold what nn.DataParallel's replicas of ``layers`` recorded in the step into the layers' own
+    state: each newest amax the largest any replica saw (as the all-reduce of ranks does), the cast
+    counts summed. One batch per replica: a fused CUDA kernel that met one layer's state twice in a
+    batch would add into it twice at once, and keep one of the two."""
+    rounds: list[tuple[list[torch.Tensor], ...]] = []
+    for layer in layers:
+        for index, (history, replica_counts) in enumerate(layer.take_replica_records()):
+            if index == len(rounds):
+                rounds.append(([], [], [], []))
+            amax_slots, amaxes, count_slots, counts = rounds[index]
+            if history is not layer.amax_history:  # the first GPU's replica writes into the layer's own
+                amax_slots.append(layer.amax_history[:, 0])
+                amaxes.append(history[:, 0].to(layer.amax_history.device, non_blocking=True))
+            if replica_counts is not None and layer.cast_counts is not None:
+                count_slots.append(layer.cast_counts)
+                counts.append(replica_counts.to(layer.cast_counts.device, non_blocking=True))
+    for amax_slots, amaxes, count_slots, counts in rounds:
+        if amax_slots:
+            torch._foreach_maximum_(amax_slots, amaxes)
+        if count_slots:
+            torch._foreach_add_(count_slots, counts)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ __all__ = [
     "BACKENDS",
     "auto_backend",
     "backend_class",
+    "backend_for_data_parallel",
     "backend_for_fsdp",
     "fp8_layers",
     "is_fp8_module",
@@ -64,14 +65,27 @@ def auto_backend(device: torch.device, recipe: Fp8Recipe) -> tuple[type[Fp8Backe
 def backend_for_fsdp(name: str) -> str:
     """The backend to patch a model with that FSDP will shard: ``auto`` is the first backend that trains
     sharded; a named one that does not is refused with its reason, before anything changes."""
+    return _backend_without(name, "fsdp_problem", "under FSDP", "a model that will be sharded")
+
+
+def backend_for_data_parallel(name: str) -> str:
+    """The backend to patch a model with that nn.DataParallel will replicate (Trainer on several GPUs,
+    started without a launcher), chosen or refused as :func:`backend_for_fsdp` does."""
+    return _backend_without(
+        name, "data_parallel_problem", "under nn.DataParallel", "a model that nn.DataParallel will replicate"
+    )
+
+
+def _backend_without(name: str, problem: str, where: str, model: str) -> str:
+    """``name``, or for ``auto`` the first backend, whose ``problem`` attribute is ``None``."""
+    fits = [n for n, cls in BACKENDS.items() if getattr(cls, problem) is None]
     if name == "auto":
-        return next(n for n, cls in BACKENDS.items() if cls.fsdp_problem is None)
+        return fits[0]
     chosen = BACKENDS.get(name)
-    if chosen is not None and chosen.fsdp_problem is not None:
-        fits = [n for n, cls in BACKENDS.items() if cls.fsdp_problem is None]
+    if chosen is not None and getattr(chosen, problem) is not None:
         raise ValueError(
-            f"the {name} backend is not supported under FSDP: {chosen.fsdp_problem}; use backend={fits[0]!r} "
-            "(what 'auto' picks for a model that will be sharded)"
+            f"the {name} backend is not supported {where}: {getattr(chosen, problem)}; use "
+            f"backend={fits[0]!r} (what 'auto' picks for {model})"
         )
     return name
 

@@ -153,6 +153,10 @@ class TeBackend(Fp8Backend):
         "hf-fp8 has not tested Transformer Engine's modules sharded by FSDP, and the FP8 all-gather of "
         "weights is the native backend's"
     )
+    data_parallel_problem = (
+        "Transformer Engine keeps its autocast and FP8 step state per process, and nn.DataParallel runs "
+        "the replicas of the model in threads of one process"
+    )
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         super().__init__(recipe)
