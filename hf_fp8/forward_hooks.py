@@ -47,7 +47,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
     replica = getattr(model, "_is_replica", False)  # nn.DataParallel's copy of the model for one GPU
     if replica and call.fp8 and (problem := state.backend.replica_problem()) is not None:
         raise RuntimeError(data_parallel_refusal(state.backend.name, problem))
-    state.push_call(call)
+    state.push_call(model, call)
     context = state.backend.forward_context(model, call.fp8, state.amax_group or default_amax_group())
     context.__enter__()
     call.context = context
@@ -71,7 +71,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
     state: PatchState = get_state(model)
-    call = state.pop_call()
+    call = state.pop_call(model)
     if call is None:  # _before_forward raised: the forward never ran
         return outputs
     if call.context is not None:

@@ -7,7 +7,6 @@ it is not patched.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,24 +42,23 @@ class PatchState:
     handles: list[RemovableHandle] = field(default_factory=list)
     # A training forward ran in FP8 since the last step end.
     step_pending: bool = False
-    # The forwards in flight, a stack per thread: nn.DataParallel runs its replicas' forwards (and so
-    # this model's hooks) in a thread per GPU at once.
+    # The forwards in flight, a stack per model object: nn.DataParallel runs its replicas' forwards (and
+    # so this model's hooks) at once, in a thread each, and each replica is an object of its own.
     calls: dict[int, list[ForwardCall]] = field(default_factory=dict)
 
-    def push_call(self, call: ForwardCall) -> None:
-        """A forward of this thread starts."""
-        self.calls.setdefault(threading.get_ident(), []).append(call)
+    def push_call(self, model: nn.Module, call: ForwardCall) -> None:
+        """A forward of ``model`` (this patched model, or a replica of it) starts."""
+        self.calls.setdefault(id(model), []).append(call)
 
-    def pop_call(self) -> ForwardCall | None:
-        """The innermost forward of this thread ends; ``None`` when none started (its pre-hook refused
-        it). A thread's stack goes once empty: DataParallel starts new threads at every forward."""
-        thread = threading.get_ident()
-        stack = self.calls.get(thread)
+    def pop_call(self, model: nn.Module) -> ForwardCall | None:
+        """The innermost forward of ``model`` ends; ``None`` when none started (its pre-hook refused it).
+        A model's stack goes once empty: DataParallel makes new replicas at every forward."""
+        stack = self.calls.get(id(model))
         if not stack:
             return None
         call = stack.pop()
         if not stack:
-            del self.calls[thread]
+            del self.calls[id(model)]
         return call
 
 

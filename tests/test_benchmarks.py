@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,10 @@ def test_fsdp_bench_runs_on_two_gloo_ranks():
 
 def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
     out = bench("cpu_bench.py", "--tokens", "32", "--features", "64", "--threads", "1")
-    gemms = [line for line in out.splitlines() if line.startswith("| E")]
-    assert len(gemms) == 4 and all(line.count(" ms (") == 4 for line in gemms), out
+    gemms = [line.strip("|").split(" | ") for line in out.splitlines() if line.startswith("| E")]
+    assert len(gemms) == 4, out
+    for cells in gemms:  # a call this torch has no CPU kernel for says so (torch 2.11: row-wise scales)
+        assert all(re.fullmatch(r"[\d.]+ ms \([\d.]+x\)|fails: .+", c.strip()) for c in cells[1:]), cells
+        assert cells[-1].strip().endswith("x)"), "hf-fp8's choice always runs"
     steps = [line for line in out.splitlines() if line.startswith("| FP8 ")]
     assert len(steps) == 4 and all(line.endswith("x |") for line in steps), out
