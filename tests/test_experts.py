@@ -168,7 +168,9 @@ def test_lora_over_fp8_stored_experts_learns_like_lora_in_high_precision():
             hf_fp8.patch_model(model, "lora-fp8")
         torch.manual_seed(1)
         peft_model = get_peft_model(model, lora)
-        return tm.train(peft_model, batches, lr=5e-2), peft_model
+        # at 5e-2 the adapters' loss spikes (to 6.0 from 4.0 in one step), and where the spikes fall
+        # decides the tail; at 2e-2 both runs fall without them
+        return tm.train(peft_model, batches, lr=2e-2), peft_model
 
     reference, _ = run(fp8=False)
     losses, model = run(fp8=True)

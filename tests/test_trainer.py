@@ -77,10 +77,12 @@ def fp8_callback(trainer) -> Fp8TrainerCallback:
     return next(c for c in trainer.callback_handler.callbacks if isinstance(c, Fp8TrainerCallback))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_loss_falls_like_bf16_and_telemetry_is_logged(arch, text_rows, tmp_path):
-    bf16 = train(arch, text_rows, tmp_path / "bf16", recipe=False, bf16=True)
-    fp8 = train(arch, text_rows, tmp_path / "fp8", bf16=True)
+# GPT-2 at 3e-3 spikes in BF16 itself (a loss of 4.4-5.0 at step 20 on two CPUs), and where the spikes
+# fall decides the final losses; at 1e-3 both runs fall smoothly
+@pytest.mark.parametrize(("arch", "lr"), [("llama", 3e-3), ("gpt2", 1e-3)])
+def test_loss_falls_like_bf16_and_telemetry_is_logged(arch, lr, text_rows, tmp_path):
+    bf16 = train(arch, text_rows, tmp_path / "bf16", recipe=False, bf16=True, learning_rate=lr)
+    fp8 = train(arch, text_rows, tmp_path / "fp8", bf16=True, learning_rate=lr)
     assert is_patched(fp8.model) and not is_patched(bf16.model)
     first, last = losses(bf16)[5], losses(bf16)[30]
     assert last < 0.8 * first, "the baseline learns"
