@@ -4,7 +4,7 @@ training step, in one process.
     python benchmarks/cpu_bench.py [--threads 2] [--tokens 512] [--features 576]
 
 The first table times the FP8 product of every operand pairing by each call hf-fp8 chooses from
-(:mod:`hf_fp8.cpu_gemm`) beside a float32 GEMM of the same shape; a call that takes over
+(:mod:`hf_fp8.numerics.cpu_gemm`) beside a float32 GEMM of the same shape; a call that takes over
 ``--give-up`` seconds once is timed that once. The second table times forward + backward of an
 ``nn.Linear`` patched with each recipe (and its step end) against the same layer in float32 and BF16.
 The default shape is SmolLM2-135M's (the demo's model): 576 features, 4 x 128 tokens.
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import hf_fp8
-from hf_fp8.cpu_gemm import cpu_gemm_choices, emulated_fp8_mm
-from hf_fp8.gemm import fp8_mm
+from hf_fp8.numerics.cpu_gemm import cpu_gemm_choices, emulated_fp8_mm
+from hf_fp8.numerics.gemm import fp8_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 PAIRINGS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)]
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"# {_cpu_name()}, {torch.backends.cpu.get_cpu_capability()}, AMX: {_amx_flags()}")
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("\n## The call hf-fp8 chose for each pairing (hf_fp8.cpu_gemm)\n")
+    print("\n## The call hf-fp8 chose for each pairing (hf_fp8.numerics.cpu_gemm)\n")
     for pairing, choice in cpu_gemm_choices().items():
         print(f"- {pairing}: {choice.call} ({choice.reason})")
     gemm_table(args.tokens, args.features, args.features, args.give_up)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import hf_fp8
-from hf_fp8.fsdp import Fp8ShardedWeight
+from hf_fp8.layers.fsdp import Fp8ShardedWeight
 
 RECIPES = {
     "hf-fp8": hf_fp8.Fp8Recipe(),

@@ -4,9 +4,9 @@ weight shapes of one Llama-3-8B layer sharded over N ranks, on one GPU.
     python benchmarks/fsdp_copies_bench.py [--ranks 2] [--layers 32]
 
 * the shard's cast (FSDP2's all-gather hook, twice a step for every weight): ``cast_to_fp8`` and a
-  padding ``cat`` (four passes over the shard) against ``hf_fp8.fsdp.shard_in_fp8`` (one);
+  padding ``cat`` (four passes over the shard) against ``hf_fp8.layers.fsdp.shard_in_fp8`` (one);
 * the gathered weight's column-major copy for the input gradient (once a step for every weight):
-  ``t.t().contiguous().t()`` against ``hf_fp8.gemm.column_major_copy``.
+  ``t.t().contiguous().t()`` against ``hf_fp8.numerics.gemm.column_major_copy``.
 
 Prints milliseconds per layer and per step of a model of ``--layers`` layers.
 """
@@ -20,8 +20,8 @@ import torch
 from linear_bench import time_ms
 
 from hf_fp8.formats import E4M3, cast_to_fp8, compute_scale
-from hf_fp8.fsdp import shard_in_fp8
-from hf_fp8.gemm import column_major_copy
+from hf_fp8.layers.fsdp import shard_in_fp8
+from hf_fp8.numerics.gemm import column_major_copy
 
 # (out, in) of q, k, v, o, gate, up, down
 LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]

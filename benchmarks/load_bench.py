@@ -21,8 +21,8 @@ from harness import SHAPES, build
 from transformers import AutoModelForCausalLM
 
 import hf_fp8
-from hf_fp8.linear import Fp8Module
-from hf_fp8.peft import from_pretrained_fp8
+from hf_fp8.integrations.peft import from_pretrained_fp8
+from hf_fp8.layers.linear import Fp8Module
 
 GIB = 2**30
 

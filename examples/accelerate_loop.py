@@ -18,7 +18,7 @@ import sys
 import torch
 
 import hf_fp8
-from hf_fp8.assets import DEMO_INSTALL, load_text, smollm2_path
+from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
 from hf_fp8.recipe import LAUNCHER_ENV
 
 

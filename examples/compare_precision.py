@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import hf_fp8
-from hf_fp8.assets import DEMO_INSTALL, shakespeare_plays, smollm2_path
+from hf_fp8.apps.assets import DEMO_INSTALL, shakespeare_plays, smollm2_path
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import hf_fp8
-from hf_fp8.assets import DEMO_INSTALL, load_text, smollm2_path
+from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

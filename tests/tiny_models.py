@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, T5ForConditionalGeneration
 
+from hf_fp8.layers.experts import Fp8Experts
+
 VOCAB = 256
 _DECODER = dict(
     hidden_size=64,
@@ -171,3 +173,89 @@ def train(
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+# ---- what patch_model makes of each ----------------------------------------------------------------
+
+OUTPUT_HEAD = "output head (set convert_lm_head: true to convert)"
+TIED = "weight tied to the input embeddings (set convert_lm_head: true to convert)"
+ROUTER = "MoE router: routing stays in high precision"
+
+DIMS_64_1 = "in_features=64, out_features=1: FP8 GEMMs need multiples of 16"
+
+# What each architecture implies (2 layers each): converted GEMMs, skipped GEMMs by reason, norms by kind.
+EXPECTED = {
+    # q, k, v, o, gate, up, down per layer; untied lm_head
+    "llama": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    "mistral": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    "qwen2": (14, {OUTPUT_HEAD: 1}, {"rmsnorm": 5}),
+    # Gemma's norms scale by (1 + w); its lm_head is tied to the embeddings
+    "gemma": (14, {TIED: 1}, {"rmsnorm (1 + w)": 5}),
+    # c_attn, c_proj, c_fc, mlp.c_proj per layer, all Conv1D
+    "gpt2": (8, {TIED: 1}, {"layernorm": 5}),
+    # query_key_value, dense, dense_h_to_4h, dense_4h_to_h per layer
+    "gpt_neox": (8, {OUTPUT_HEAD: 1}, {"layernorm": 5}),
+    # q, k, v, out_proj, fc1, fc2 per layer
+    "opt": (12, {TIED: 1}, {"layernorm": 5}),
+    # query, key, value, attention dense, intermediate, output per layer, and the pooler
+    "bert": (13, {}, {"layernorm": 5}),
+    # encoder: 4 attention + 2 FF per layer; decoder: 4 self + 4 cross + 2 FF per layer
+    "t5": (32, {TIED: 1}, {"rmsnorm": 12}),
+    # attention and the experts (3-D weights, one module a layer); routers are not nn.Linear in transformers 5
+    "mixtral": (10, {OUTPUT_HEAD: 1, ROUTER: 2}, {"rmsnorm": 5}),
+    # attention, the experts and the shared expert's MLP; its 1-output gate is too small
+    "qwen2_moe": (16, {OUTPUT_HEAD: 1, ROUTER: 2, DIMS_64_1: 2}, {"rmsnorm": 5}),
+}
+
+
+def counts(report):
+    skipped, kept = {}, {}
+    for r in report.skipped:
+        skipped[r.reason] = skipped.get(r.reason, 0) + 1
+    for r in report.kept:
+        kept[r.kind] = kept.get(r.kind, 0) + 1
+    return len(report.converted), skipped, kept
+
+
+# ---- MoE-shaped ------------------------------------------------------------------------------------
+
+# MoE-shaped tiny models: as in real MoE models the experts hold most of the FLOPs (Mixtral 8x7B: the
+# output head is ~1% of them); hidden 64, experts of 256, 4 layers, top-2 of 4 experts (top-4 of 8 for
+# the models that route to more).
+_MOE = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+MOE_CONFIGS = {
+    "mixtral": dict(_MOE, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        _MOE,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=256,
+    ),
+    "qwen3_moe": dict(_MOE, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=4, head_dim=16),
+    "olmoe": dict(_MOE, intermediate_size=256, num_experts=8, num_experts_per_tok=4),
+}
+
+
+def build_moe(arch: str, seed: int = 0) -> torch.nn.Module:
+    config = AutoConfig.for_model(arch, **MOE_CONFIGS[arch])
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+def experts_of(model) -> list[Fp8Experts]:
+    return [m for m in model.modules() if isinstance(m, Fp8Experts)]

@@ -1,15 +1,15 @@
 """The interface every FP8 backend implements, and the scaling state it reports.
 
-``patch_model`` walks the model and decides which modules convert (:mod:`hf_fp8.selection`); a backend
+``patch_model`` walks the model and decides which modules convert (:mod:`hf_fp8.layers.selection`); a backend
 does the rest: it builds the FP8 replacements, optionally fuses whole blocks, wraps each forward in its
 context, ends each FP8 step, undoes itself, and says which tensors are each FP8 layer's scaling state.
 Nothing outside ``hf_fp8/backends`` knows which backend it talks to; a new backend is a new file with a
-subclass of :class:`Fp8Backend`, listed in ``hf_fp8/backends/__init__.py``.
+subclass of :class:`Fp8Backend`, listed in ``BACKENDS`` in :mod:`hf_fp8.backends.registry`.
 
 A backend class answers questions about the machine and the recipe (``usable``, ``check``) and about
 single modules (``owns``, ``layer_scaling``, ``to_plain``); an instance belongs to one patched model and
 keeps what that model's patch needs (its FP8 layers, a translated recipe, what to put back on undo).
-What a layer's scaling state looks like is :mod:`hf_fp8.scaling_state`.
+What a layer's scaling state looks like is :mod:`hf_fp8.layers.layer_scaling`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import ModuleRecord, PatchReport
-from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["Fp8Backend", "FusedBlock", "Replaced", "data_parallel_refusal"]
 

@@ -1,10 +1,10 @@
 """The native backend: PyTorch's own FP8 (``torch.float8_*``, ``torch._scaled_mm``), on the CPU and GPU.
 
-``nn.Linear`` and transformers' ``Conv1D`` become :class:`~hf_fp8.linear.Fp8Linear` /
-:class:`~hf_fp8.linear.Fp8Conv1D`, MoE experts modules :class:`~hf_fp8.experts.Fp8Experts`, all
+``nn.Linear`` and transformers' ``Conv1D`` become :class:`~hf_fp8.layers.linear.Fp8Linear` /
+:class:`~hf_fp8.layers.linear.Fp8Conv1D`, MoE experts modules :class:`~hf_fp8.layers.experts.Fp8Experts`, all
 sharing the original parameters (same objects: optimizers, tied weights and ``state_dict`` keys are
 untouched). Norms stay as they are. A step ends with one amax all-reduce over the data-parallel group
-and a batched scale update (:mod:`hf_fp8.scaling`).
+and a batched scale update (:mod:`hf_fp8.numerics.scaling`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from torch.utils.hooks import RemovableHandle
 from transformers.pytorch_utils import Conv1D
 
 from hf_fp8.backends.base import Fp8Backend, Replaced
-from hf_fp8.blockwise import EMULATED
-from hf_fp8.distributed import default_amax_group, local_shard, sync_amaxes
-from hf_fp8.experts import Fp8Experts
 from hf_fp8.formats import compute_scale
-from hf_fp8.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
-from hf_fp8.linear import Fp8Conv1D, Fp8Linear, Fp8Module
+from hf_fp8.layers.experts import Fp8Experts
+from hf_fp8.layers.fp8_scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
+from hf_fp8.layers.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
+from hf_fp8.layers.layer_scaling import LayerScaling
+from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
 from hf_fp8.module_tree import replace_modules
+from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
+from hf_fp8.numerics.blockwise import EMULATED
+from hf_fp8.numerics.scaling import WEIGHT, advance_steps
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
-from hf_fp8.scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
-from hf_fp8.scaling import WEIGHT, advance_steps
-from hf_fp8.scaling_state import LayerScaling
 
 __all__ = ["NativeBackend", "end_native_step", "update_fp8_scales"]
 
@@ -128,8 +128,8 @@ class NativeBackend(Fp8Backend):
 
     def _gather_weights_in_fp8(self, shared: set[int], report: PatchReport) -> None:
         """``fp8_all_gather``: the trainable weights of the FP8 linear layers are all-gathered in FP8 under
-        FSDP2 (:mod:`hf_fp8.fsdp`); ``shared`` ones (another module uses them too), experts', and those of
-        layers whose forward runs in high precision (it would read FP8-rounded weights) are not."""
+        FSDP2 (:mod:`hf_fp8.layers.fsdp`); ``shared`` ones (another module uses them too), experts', and
+        those of layers whose forward runs in high precision (it would read FP8-rounded weights) are not."""
         linear = [m for m in self.layers if isinstance(m, Fp8Module) and m.forward_in_fp8]
         chosen = [m for m in linear if m.weight.requires_grad and id(m.weight) not in shared]
         for module in chosen:

@@ -16,8 +16,8 @@ from torch import nn
 from hf_fp8.backends.base import Fp8Backend
 from hf_fp8.backends.native import NativeBackend
 from hf_fp8.backends.te import TeBackend
+from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.recipe import Fp8Recipe
-from hf_fp8.scaling_state import LayerScaling
 
 __all__ = [
     "BACKENDS",

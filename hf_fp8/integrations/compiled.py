@@ -1,0 +1,178 @@
+"""``hf_fp8.compile``: the fast way to train a (patched) HF model: ``torch.compile`` block by block.
+
+A decoder has one block class repeated N times. Compiling each block (regional compilation) traces
+and optimises that graph once and reuses it for every block, instead of tracing the whole model as one
+graph; the loss function, and FP8 layers outside the blocks (a converted output head), are compiled on
+their own. What Inductor then fuses per block is what makes the
+native FP8 path fast: each cast, its transpose and its amax become one kernel, fused into the norm or
+activation that produced the tensor.
+
+With delayed scaling the first training step has no amax history yet and scales each tensor by its own
+amax: its graph is compiled too, and the block compiles once more for the steady state (a Python flag
+per layer says which, never a branch on tensor values). An eager first step would need more memory
+than every later one (8B shape under FSDP2 on two H200s: 69.1 GiB a GPU against 61.6), and a run
+must hold its first step.
+
+A KV cache makes each block's graph depend on its layer index: one recompilation per layer, until
+``torch.compile`` gives up on the block code and runs every later call eagerly, training included.
+So forwards that compute a loss (training, evaluation with labels) run without a cache unless the
+caller passes one or asks for it, and forwards that do use a cache (``generate()``, an evaluation
+forward without labels) run eagerly, leaving the compiled training graphs as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_fp8.checks import check_model
+from hf_fp8.formats import gpu_has_fp8
+from hf_fp8.layers.experts import Fp8Experts
+from hf_fp8.layers.fp8_scaled import Fp8Scaled
+from hf_fp8.patching.patch_state import get_state
+
+__all__ = ["compile_model", "repeated_blocks"]
+
+_COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again changes nothing
+
+
+def compile_model(model: nn.Module, **options: Any) -> nn.Module:
+    """Compile ``model``'s repeated blocks, the FP8 layers outside them (a converted output head) and its
+    loss function in place, and return ``model``.
+
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...); with
+    Inductor and no ``mode``, its ``options`` get combo kernels on unless they say otherwise. Call it
+    after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
+    Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
+    parameters and its ``state_dict`` keys.
+    """
+    check_model(model, "hf_fp8.compile")
+    options = _with_inductor_defaults(options)
+    if getattr(model, _COMPILED, False):
+        return model
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks to compile one at a time (no module list of "
+            "one block class, nor HF's _no_split_modules); use torch.compile(model) instead"
+        )
+    state = get_state(model)
+    if state is not None and not state.backend.compiles:
+        raise ValueError(
+            f"the {state.backend.name} backend does not run under torch.compile; patch with "
+            "backend='native' for the compiled fast path"
+        )
+    _refuse_what_miscompiles(model)
+    _announce_emulation(model)
+    # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
+    hf_model = next(
+        (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None
+    )
+    if hf_model is not None:
+        hf_model.register_forward_pre_hook(_route_cache, with_kwargs=True)
+        hf_model.register_forward_hook(_leave_eager, with_kwargs=True, always_call=True)
+    owner = next((m for m in model.modules() if "loss_function" in dir(type(m))), None)
+    if owner is not None and callable(owner.loss_function):
+        owner.loss_function = torch.compile(owner.loss_function, **options)
+
+    for block in blocks:
+        block.compile(**options)
+    # FP8 layers outside the blocks (an output head under convert_lm_head): eagerly, each cast of the
+    # head's large operands (the 8192 x 128256 logits' gradient, on the Llama-3 shapes) is five passes.
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for module in model.modules():
+        if isinstance(module, Fp8Scaled) and id(module) not in inside:
+            module.compile(**options)
+    setattr(model, _COMPILED, True)
+    return model
+
+
+# Inductor settings the blocks compile with unless the caller chooses otherwise. Combo kernels launch
+# the many small independent kernels of an FP8 block (scale reciprocals, amax history updates) together:
+# the forward of a block is bound by the host's kernel launches, not by the GPU (H100, 1B shape: 2233
+# -> 1609 kernels a step, 69.3k -> 73.0k tokens/s; benchmarks/RESULTS.md).
+_INDUCTOR_DEFAULTS = {"combo_kernels": True}
+
+
+def _with_inductor_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for ``torch.compile`` with :data:`_INDUCTOR_DEFAULTS` added to its Inductor
+    ``options``; unchanged for another backend, or with a ``mode`` (which excludes ``options``)."""
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:
+        return options
+    return {**options, "options": {**_INDUCTOR_DEFAULTS, **options.get("options", {})}}
+
+
+def _refuse_what_miscompiles(model: nn.Module) -> None:
+    """Raise, before anything is compiled, for the FP8 paths measured to fail when compiled on the GPU
+    (torch 2.11, H100/H200; benchmarks/RESULTS.md); each runs correctly eagerly."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Scaled)]
+    experts = [name for name, m in layers if isinstance(m, Fp8Experts) and m.recipe.format == "hybrid"]
+    if experts:
+        raise ValueError(
+            f"MoE experts in FP8 with E5M2 gradients (format 'hybrid': {experts[0]}, {len(experts)} in all) "
+            "are not compiled: the grouped FP8 GEMM takes E4M3 only, so their backward runs one GEMM per "
+            "expert, which reads the group sizes on the host (on torch 2.11 GPUs the compiled backward "
+            "failed to partition); use format 'e4m3' (all six expert GEMMs grouped), or keep the experts "
+            "in high precision (modules_to_not_convert: ['experts'])"
+        )
+
+
+def _announce_emulation(model: nn.Module) -> None:
+    """Warn, before compiling, where the FP8 GEMMs will be emulated: compiled code does not warn (a
+    warning inside it breaks the graph), and a GPU without FP8 tensor cores emulates every one."""
+    if not any(isinstance(m, Fp8Scaled) for m in model.modules()):
+        return
+    for device in {p.device for p in model.parameters() if p.is_cuda}:
+        if not gpu_has_fp8(device):
+            warnings.warn(
+                f"hf_fp8.compile: {torch.cuda.get_device_name(device)} has no FP8 tensor cores (compute "
+                "capability below 8.9): its FP8 GEMMs are emulated exactly in float32, with FP8 numerics "
+                "and no speed-up (slower than BF16)",
+                stacklevel=3,
+            )
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules of a class HF names in ``_no_split_modules`` (its decoder
+    layers), else the members of the longest ``nn.ModuleList`` whose members share one class."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [
+        list(m)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+    ]
+    return max(lists, key=len, default=[])
+
+
+_EAGER_CALLS = "_hf_fp8_eager_calls"  # a stack: forwards may nest (PEFT, a model inside a model)
+
+
+def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Before the HF model's forward: no KV cache where a loss is computed and nobody asked for one;
+    eager execution where a cache is used (see the module docstring)."""
+    cache_given = kwargs.get("past_key_values") is not None
+    asked = kwargs.get("use_cache")
+    config_wants = bool(getattr(getattr(model, "config", None), "use_cache", False))
+    computes_loss = model.training or kwargs.get("labels") is not None
+    if asked is None and not cache_given and computes_loss:
+        kwargs = {**kwargs, "use_cache": False}
+        asked = False
+    uses_cache = cache_given or bool(asked) or (asked is None and config_wants)
+    # set_stance takes effect when it is made, so it is made only for a forward that uses a cache
+    stance = torch.compiler.set_stance("force_eager") if uses_cache else contextlib.nullcontext()
+    model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)
+    return args, kwargs
+
+
+def _leave_eager(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+    calls = model.__dict__.get(_EAGER_CALLS)
+    if calls:
+        calls.pop().__exit__(None, None, None)

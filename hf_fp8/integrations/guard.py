@@ -1,0 +1,180 @@
+"""The NaN guard: a non-finite loss, gradient or FP8 amax caught in the step it happens, before the
+optimizer touches the weights, named, and handled by the recipe's ``nan_policy``.
+
+It works in any training loop::
+
+    guard = hf_fp8.Fp8NanGuard(model)
+    for batch in loader:
+        loss = model(**batch).loss
+        loss.backward()
+        if guard.check():          # False: the step was skipped (gradients dropped, FP8 state rolled back)
+            optimizer.step()
+        optimizer.zero_grad()
+
+``Fp8TrainerCallback`` runs one for the Trainer. The policies: ``raise`` (stop, naming the layer),
+``skip_step`` (drop the step's gradients and roll the FP8 scaling state back to before the step),
+``increase_margin`` (the same, and one more binade of headroom from then on). Skipping raises after
+``max_consecutive_skips`` non-finite steps in a row: the cause is then not transient.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_fp8.backends.registry import fp8_layers
+from hf_fp8.checks import check_model
+from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
+from hf_fp8.patching.patch_state import get_state, patched_module
+from hf_fp8.patching.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
+from hf_fp8.recipe_keys import MAX_MARGIN
+
+__all__ = ["Fp8NanGuard"]
+
+
+class Fp8NanGuard:
+    """Watches a patched model's steps for non-finite values (see the module docstring).
+
+    Args:
+        model: a model patched with :func:`hf_fp8.patch_model`, or a wrapper of one (PEFT, DDP,
+            ``accelerator.prepare``).
+        max_consecutive_skips: under ``skip_step`` / ``increase_margin``, raise after this many
+            non-finite steps in a row.
+    """
+
+    def __init__(self, model: nn.Module, max_consecutive_skips: int = 10) -> None:
+        patched = patched_module(check_model(model, "Fp8NanGuard"))
+        if patched is None:
+            raise ValueError("Fp8NanGuard needs a patched model: call hf_fp8.patch_model(model) first")
+        self.model = model
+        self._patched = patched
+        self.max_consecutive_skips = max_consecutive_skips
+        self.skipped_steps = 0
+        self._consecutive_skips = 0
+        self._losses: list[torch.Tensor] = []
+        self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._take_snapshot()
+        self._hook = model.register_forward_hook(self._watch_loss)
+
+    @property
+    def recipe(self):
+        return get_state(self._patched).recipe
+
+    def begin_step(self) -> None:
+        """Optional: mark the start of a step when the FP8 state may have changed since the last
+        :meth:`check` (a checkpoint was loaded), so a skipped step rolls back to the right state."""
+        self._losses.clear()
+        self._take_snapshot()
+
+    def check(self, step: int | None = None) -> bool:
+        """Call after the backward, before the optimizer step: ``True`` when everything was finite.
+
+        Otherwise, under ``raise`` a ``FloatingPointError`` names what was non-finite (and where);
+        under the skipping policies the gradients are dropped (the optimizer leaves parameters without
+        gradients alone), the FP8 scaling state rolls back to before the step, a warning says so, and
+        ``False`` is returned. ``step`` only labels the messages.
+        """
+        end_pending_step(self._patched)  # the state checked is the step boundary's
+        problem = self._find_non_finite()
+        self._losses.clear()
+        if problem is None:
+            self._consecutive_skips = 0
+            self._take_snapshot()
+            return True
+        where = f"step {step}: {problem}" if step is not None else problem
+        policy = self.recipe.nan_policy
+        if policy == "raise":
+            raise FloatingPointError(
+                f"hf_fp8: {where}. The weights are not updated by this step. Set nan_policy: skip_step or "
+                "increase_margin in the recipe to go on past such steps"
+            )
+        self._consecutive_skips += 1
+        if self._consecutive_skips > self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"hf_fp8: {where}; {self._consecutive_skips} non-finite steps in a row, which skipping does "
+                "not cure. Check the data and the learning rate"
+            )
+        for param in self.model.parameters():
+            param.grad = None
+        discard_step(self._patched, self._snapshot)
+        self.skipped_steps += 1
+        action = "skipped the step and rolled the amax histories back"
+        if policy == "increase_margin" and self.recipe.margin < MAX_MARGIN:
+            set_recipe(self._patched, self.recipe.replace(margin=self.recipe.margin + 1))
+            action += f", margin now {self.recipe.margin}"
+        elif policy == "increase_margin":
+            action += f", margin already at its maximum {MAX_MARGIN}"
+        warnings.warn(f"hf_fp8: {where}; {action}", stacklevel=2)
+        self._take_snapshot()
+        return False
+
+    def remove(self) -> None:
+        """Stop watching the model's loss."""
+        self._hook.remove()
+
+    def _take_snapshot(self) -> None:
+        self._snapshot = scaling_snapshot(self.model) if self.recipe.nan_policy != "raise" else []
+
+    def _watch_loss(self, module: nn.Module, args: tuple, outputs: Any) -> None:
+        """Keep the loss the model returned (HF models return it first, as ``loss`` or in a tuple)."""
+        if isinstance(outputs, dict):
+            loss = outputs.get("loss")
+        elif isinstance(outputs, tuple) and outputs and torch.is_tensor(outputs[0]) and outputs[0].dim() == 0:
+            loss = outputs[0]
+        else:
+            loss = getattr(outputs, "loss", None)
+        if module.training and torch.is_tensor(loss):
+            self._losses.append(loss.detach())
+
+    @torch.no_grad()
+    def _find_non_finite(self) -> str | None:
+        """What is non-finite in this step (loss, gradients, amaxes per layer and role), or ``None``.
+        One host sync, and one all-reduce of the flags when distributed, so that every rank sees what
+        any rank saw and all take the same decision."""
+        model = self.model
+        device = next(model.parameters()).device
+        # under FSDP2 each rank checks its own shards (the flags are reduced below)
+        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+        layers = list(fp8_layers(model))
+        roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
+        histories = [r.amax_history for layer in layers for r in layer.roles.values()]
+        finite = torch.tensor(True, device=device)
+        losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
+        loss_ok = torch.stack(losses).isfinite().all() if losses else finite
+        grad_norms = [n.to(device) for n in torch._foreach_norm(grads)] if grads else []
+        grads_ok = torch.stack(grad_norms).isfinite().all() if grads else finite
+        # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
+        amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
+        amaxes_ok = (
+            torch.stack([m.to(device) for m in amax_max]).isfinite() if histories else finite.new_empty(0)
+        )
+        bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
+        group = default_amax_group()
+        if group is not None:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        loss_bad, grad_bad, *amax_bad = bad.tolist()
+        if not (loss_bad or grad_bad or any(amax_bad)):
+            return None
+        parts = []
+        if any(amax_bad):
+            parts.append(_first_non_finite_amax([r for r, b in zip(roles, amax_bad, strict=True) if b]))
+        if loss_bad:
+            parts.append("the loss is non-finite")
+        if not parts:
+            seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
+            parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
+        return "; ".join(parts)
+
+
+def _first_non_finite_amax(bad: list[tuple[str, str, str]]) -> str:
+    """Name the layer where it started: the first in forward order with a non-finite forward amax,
+    else the last with a non-finite gradient amax (the first the backward reached). ``bad`` holds the
+    (layer, role, direction) of each non-finite amax, in forward order."""
+    forward = [n for n, _, direction in bad if direction == "fwd"]
+    layer = forward[0] if forward else bad[-1][0]
+    roles = [r for n, r, _ in bad if n == layer]
+    return f"non-finite amax of {'/'.join(roles)} in layer {layer!r}"

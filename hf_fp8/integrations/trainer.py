@@ -1,0 +1,334 @@
+"""FP8 in transformers' ``Trainer``: one callback.
+
+``Trainer(..., callbacks=[Fp8TrainerCallback()])`` patches the model when the Trainer is built (before
+its optimizer exists), and then, at every optimizer step:
+
+* makes sure the FP8 step has ended (the patched model ends it after each backward: amaxes reduced
+  over the data-parallel ranks in one all-reduce, scales updated, histories rolled);
+* guards against a non-finite loss, gradient or amax, naming the layer, and applies the recipe's
+  ``nan_policy`` (``raise``, ``skip_step`` or ``increase_margin``);
+* on logging steps adds FP8 telemetry (:mod:`hf_fp8.integrations.telemetry`) to the Trainer's logs;
+* on checkpoint saves writes ``fp8_state.safetensors`` into the checkpoint folder, and on
+  ``resume_from_checkpoint`` loads it back, so the resumed run uses the scales of the uninterrupted one.
+
+Why :class:`Fp8Trainer` exists: the Trainer creates its reporting callbacks (TensorBoard, W&B, ...)
+before the ones passed in ``callbacks``, so they have already written a log when a user callback sees
+it. The callback adds its telemetry to ``trainer.state.log_history`` and to what later callbacks get;
+``Fp8Trainer`` overrides only ``log`` to add it before any of them, so every integration records it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import ParallelMode
+
+from hf_fp8.backends.base import data_parallel_refusal
+from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
+from hf_fp8.formats import gpu_has_fp8
+from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
+from hf_fp8.integrations.guard import Fp8NanGuard
+from hf_fp8.integrations.telemetry import Fp8Telemetry
+from hf_fp8.patching.patch import is_patched, patch_model
+from hf_fp8.patching.patch_state import get_state
+from hf_fp8.patching.step import end_pending_step, set_recipe
+from hf_fp8.recipe import Fp8Recipe, as_recipe
+from hf_fp8.report import PatchReport
+
+__all__ = ["Fp8Trainer", "Fp8TrainerCallback"]
+
+
+class Fp8TrainerCallback(TrainerCallback):
+    """Train in FP8 under transformers' ``Trainer``.
+
+    Args:
+        recipe: the FP8 recipe; ``None`` takes the recipe of an already patched model, else the one
+            ``hf-fp8 launch`` handed over, else the defaults.
+        backend: ``patch_model``'s backend when the callback patches the model.
+        sample_layers: FP8 layers whose casts are sampled for saturation / flush-to-zero telemetry.
+        max_consecutive_skips: under ``skip_step`` / ``increase_margin``, raise after this many
+            non-finite steps in a row (the cause is then not transient).
+    """
+
+    def __init__(
+        self,
+        recipe: Fp8Recipe | str | None = None,
+        backend: str = "auto",
+        sample_layers: int = 8,
+        max_consecutive_skips: int = 10,
+    ) -> None:
+        self.recipe = as_recipe(recipe) if recipe is not None else None
+        self.backend = backend
+        self.sample_layers = sample_layers
+        self.max_consecutive_skips = max_consecutive_skips
+        self.report: PatchReport | None = None
+        self._model: nn.Module | None = None
+        self._telemetry: Fp8Telemetry | None = None
+        self._guard: Fp8NanGuard | None = None
+        self._pending_logs: dict[str, Any] = {}
+        # Where Fp8Trainer.train was told to resume from (a plain Trainer does not tell callbacks).
+        self.resume_from: str | None = None
+        if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
+            # Checked here: the Trainer builds its Accelerator, which acts on it, before on_init_end.
+            warnings.warn(
+                "hf_fp8: ACCELERATE_MIXED_PRECISION=fp8 makes accelerate convert the model to FP8 a second "
+                "time; unset it (hf-fp8 launch does) and let hf-fp8 do the FP8",
+                stacklevel=2,
+            )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the NaN guard skipped so far."""
+        return self._guard.skipped_steps if self._guard is not None else 0
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        if model is None:  # model_init: the Trainer builds the model in train(), see on_train_begin
+            return
+        self._set_up(model, args)
+
+    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+        if model is not None and model is not self._model:  # built by model_init (hyperparameter search)
+            self._set_up(model, args)
+        if self._telemetry is None or state.global_step == 0:
+            return
+        searched = _resume_candidates(args, state.global_step, self.resume_from)
+        folder = next((f for f in searched if (f / FP8_STATE_FILE).is_file()), None)
+        if folder is None:
+            where = ", ".join(str(f) for f in searched)
+            warnings.warn(
+                f"hf_fp8: resuming at step {state.global_step}, but no {FP8_STATE_FILE} in {where}; FP8 "
+                "scales start afresh from the next step's amaxes, so this run will not follow the "
+                "interrupted one exactly. Resume through Fp8Trainer.train(resume_from_checkpoint=...), or "
+                "set TrainingArguments(resume_from_checkpoint=...) to the checkpoint folder",
+                stacklevel=2,
+            )
+            return
+        recipe = load_fp8_state(self._model, folder, self.recipe)
+        if recipe != self.recipe:
+            set_recipe(self._model, recipe)
+            self.recipe = recipe
+
+    def _set_up(self, model: nn.Module, args: Any) -> None:
+        """Patch ``model`` (or take the recipe of an already patched one) and watch it with the NaN
+        guard and the telemetry."""
+        self._model = model
+        if is_patched(model):
+            patched_recipe = get_state(model).recipe
+            if self.recipe is not None and self.recipe != patched_recipe:
+                warnings.warn(
+                    "hf_fp8: the model was already patched with another recipe than the callback's; the "
+                    "model's recipe is used. Pass recipe=None, or patch the model with the recipe you want",
+                    stacklevel=3,
+                )
+            self.recipe = patched_recipe
+        else:
+            self.report = patch_model(
+                model, self.recipe, backend=_backend_for(self.backend, args, self.recipe)
+            )
+            self.recipe = self.report.recipe
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        if not is_patched(model):  # recipe.enabled is False: a high-precision run
+            self._telemetry = None
+            return
+        _check_arguments(args, model)
+        self._telemetry = Fp8Telemetry(model, self.sample_layers)
+        self._guard = Fp8NanGuard(model, self.max_consecutive_skips)
+
+    # ---- each optimizer step ------------------------------------------------------------------
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None:
+            return
+        self._guard.begin_step()
+        if _log_due(args, state):
+            self._telemetry.arm()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._guard is not None:
+            self._guard.check(step=state.global_step + 1)
+            self.recipe = get_state(self._model).recipe  # increase_margin changes it
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is not None:
+            end_pending_step(self._model)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None or not self._telemetry.armed:
+            return
+        logs = self._telemetry.collect()
+        logs["fp8/skipped_steps"] = self.skipped_steps
+        logs["fp8/margin"] = self.recipe.margin
+        # By steps, the log comes right after this step or not at all; by epoch, it takes the newest.
+        if control.should_log or _logging_strategy(args) != "steps":
+            self._pending_logs = logs
+
+    def pop_telemetry(self) -> dict[str, Any]:
+        """The telemetry of the step about to be logged (once)."""
+        logs, self._pending_logs = self._pending_logs, {}
+        return logs
+
+    def on_log(self, args, state, control, logs: dict | None = None, **kwargs) -> None:
+        telemetry = self.pop_telemetry()
+        if not telemetry or logs is None:
+            return
+        logs.update(telemetry)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(telemetry)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if self._telemetry is None or not args.should_save:
+            return
+        folder = _saved_checkpoint(args, state.global_step)
+        if folder is None:
+            warnings.warn(
+                f"hf_fp8: no {PREFIX_CHECKPOINT_DIR}-{state.global_step} folder under {args.output_dir} to "
+                f"put {FP8_STATE_FILE} in; this checkpoint will resume without its FP8 scales",
+                stacklevel=2,
+            )
+            return
+        save_fp8_state(self._model, folder, self.recipe)
+
+
+class Fp8Trainer(Trainer):
+    """``Trainer`` with an :class:`Fp8TrainerCallback` whose telemetry every reporting integration
+    records (see the module docstring for why this needs ``log``). ``fp8_recipe`` / ``fp8_callback``
+    choose the recipe or the whole callback; everything else is ``Trainer``'s."""
+
+    def __init__(
+        self,
+        *args: Any,
+        fp8_recipe: Fp8Recipe | str | None = None,
+        fp8_callback: Fp8TrainerCallback | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if fp8_callback is not None and fp8_recipe is not None:
+            raise ValueError(
+                "give Fp8Trainer either fp8_recipe or fp8_callback (whose recipe is used), not both"
+            )
+        self.fp8_callback = fp8_callback or Fp8TrainerCallback(recipe=fp8_recipe)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.fp8_callback]
+        super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; the callback learns which checkpoint folder it resumes from."""
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            self.fp8_callback.resume_from = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(self.fp8_callback.pop_telemetry())
+        super().log(logs, start_time)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+
+def _check_arguments(args: Any, model: nn.Module) -> None:
+    """Warn about TrainingArguments that fight FP8, and say what runs where FP8 cannot."""
+    backend = get_state(model).backend
+    if getattr(args, "fp16", False):
+        warnings.warn(
+            "hf_fp8: fp16=True runs everything outside the FP8 layers in float16 under a loss scaler, "
+            "which FP8 training does not need and which overflows more easily (the steps the scaler "
+            "would skip reach the NaN guard, which raises by default); use bf16=True",
+            stacklevel=3,
+        )
+    if _data_parallel(args) and (problem := backend.replica_problem()) is not None:
+        raise ValueError(data_parallel_refusal(backend.name, problem))
+    if backend.recompute_problem is not None and _checkpointing_requested(args):
+        raise ValueError(
+            f"hf_fp8: gradient_checkpointing with the {backend.name} backend "
+            f"{backend.recompute_problem}; set gradient_checkpointing=False or patch with backend='native'"
+        )
+    device = getattr(args, "device", None) or next(model.parameters()).device
+    if device.type == "cpu":
+        warnings.warn(
+            "hf_fp8: the model is on the CPU; FP8 runs with real FP8 casts and torch._scaled_mm, so the "
+            "numerics are those of FP8 training, but the CPU has no FP8 speed-up",
+            stacklevel=3,
+        )
+    elif device.type == "cuda" and not gpu_has_fp8(device):
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        warnings.warn(
+            f"hf_fp8: {name} (compute capability {major}.{minor}) has no FP8 tensor cores (they need 8.9 "
+            "or later); the FP8 GEMMs are emulated in float32 with the same FP8 numerics, slower than BF16",
+            stacklevel=3,
+        )
+
+
+def _data_parallel(args: Any) -> bool:
+    """Whether the Trainer will wrap the model in nn.DataParallel: several GPUs, no launcher."""
+    mode = getattr(args, "parallel_mode", None)
+    return getattr(args, "n_gpu", 1) > 1 and mode == ParallelMode.NOT_DISTRIBUTED
+
+
+def _checkpointing_requested(args: Any) -> bool:
+    """Activation (before transformers 5: gradient) checkpointing is asked for."""
+    name = (
+        "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    )
+    return bool(getattr(args, name, False))
+
+
+def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
+    """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
+    Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
+    arguments, a backend that trains sharded."""
+    if getattr(args, "fsdp", None):
+        return backend_for_fsdp(backend)
+    if _data_parallel(args):
+        return backend_for_data_parallel(backend)
+    if backend != "auto":
+        return backend
+    device = getattr(args, "device", torch.device("cpu"))
+    return backend_class("auto", device, recipe or Fp8Recipe.from_launcher()).name
+
+
+def _logging_strategy(args: Any) -> str:
+    return str(getattr(args, "logging_strategy", "steps")).rsplit(".", 1)[-1].lower()
+
+
+def _log_due(args: Any, state: Any) -> bool:
+    """Whether the step now starting will be logged (DefaultFlowCallback's rule). Logging by epoch
+    samples every step and keeps the newest; no logging samples nothing."""
+    strategy = _logging_strategy(args)
+    if strategy != "steps":
+        return strategy != "no"
+    step = state.global_step + 1
+    every = state.logging_steps or args.logging_steps
+    every = math.ceil(every) if every >= 1 else max(1, math.ceil(state.max_steps * every))
+    return step % every == 0 or (step == 1 and args.logging_first_step)
+
+
+def _resume_candidates(args: Any, step: int, resume_from: str | None) -> list[Path]:
+    """Where the checkpoint being resumed may be: the folder Fp8Trainer.train was given, the one in
+    TrainingArguments, else the Trainer's default place for it."""
+    given = (resume_from, getattr(args, "resume_from_checkpoint", None))
+    return [
+        *(Path(p) for p in given if isinstance(p, str)),
+        Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}",
+    ]
+
+
+def _saved_checkpoint(args: Any, step: int) -> Path | None:
+    """The checkpoint folder the Trainer just wrote for ``step``: under the output folder, or under a
+    hyperparameter-search run folder inside it (the newest, being the one just written)."""
+    name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    direct = Path(args.output_dir) / name
+    if direct.is_dir():
+        return direct
+    runs = sorted(Path(args.output_dir).glob(f"*/{name}"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None

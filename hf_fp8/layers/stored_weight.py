@@ -1,0 +1,126 @@
+"""``Fp8StoredWeight``: a frozen weight kept in FP8 that still looks like the weight it was.
+
+The values live in FP8 (one byte each) with a float32 tensorwise scale; the tensor reports the shape,
+device and the dtype of the weight it was made from. So code that reads ``weight.dtype`` (PEFT when
+it creates adapters, T5's feed-forward, ``model.dtype``) sees BF16 or float32, not an FP8 dtype.
+
+The FP8 layers read ``_data`` and ``_scale`` and run their GEMMs on them directly. Everything else
+done with the tensor sees its dequantized values: any other operation computes on a temporary
+high-precision copy. ``.to(device)`` moves the FP8 values; ``.to(dtype)`` keeps them and changes the
+dtype the weight reports and dequantizes to. ``copy_`` into it quantizes; other in-place operations
+are refused, since they would change a temporary copy and silently nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
+
+__all__ = ["Fp8GatheredWeight", "Fp8StoredWeight"]
+
+_aten = torch.ops.aten
+# Views of the weight that stay in FP8 (the same values, maybe another shape or layout): FSDP2 shapes
+# its gathered weights with some, Conv1D transposes them.
+_VIEWS = (
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.as_strided.default,
+    _aten.view.default,
+    _aten.t.default,
+    _aten.transpose.int,
+)
+
+
+class Fp8StoredWeight(torch.Tensor):
+    """FP8 values ``_data`` and their scale ``_scale`` (``values = _data / _scale``), reporting ``dtype``.
+    ``_margin`` is the recipe margin its scales are computed with, now and when new values come in."""
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    _margin: int
+
+    @staticmethod
+    def __new__(
+        cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int = 0
+    ) -> Fp8StoredWeight:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device, requires_grad=False
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> None:
+        self._data = data
+        self._scale = scale
+        self._margin = margin
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: Fp8Format, margin: int) -> Fp8StoredWeight:
+        """``weight`` in ``fmt`` with a scale from its own amax."""
+        weight = weight.detach()
+        scale = compute_scale(weight.abs().amax().float(), fmt, margin)
+        return cls(cast_to_fp8(weight, scale, fmt), scale, weight.dtype, margin)
+
+    def dequantize(self, device: torch.device | None = None) -> torch.Tensor:
+        """The values in the reported dtype, as a plain tensor (on ``device`` when given)."""
+        data, scale = self._data, self._scale
+        if device is not None:
+            data, scale = data.to(device), scale.to(device)
+        return (data.float() / scale).to(self.dtype)
+
+    def __repr__(self) -> str:
+        # no .item(): a repr must not wait for the GPU, nor fail on the fake tensors of torch.compile
+        return f"{type(self).__name__}({self._data.dtype} values, shape {tuple(self.shape)}, as {self.dtype})"
+
+    # torch.compile sees through the wrapper to its two tensors.
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], (self.dtype, self._margin)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> Fp8StoredWeight:
+        return Fp8StoredWeight(inner["_data"], inner["_scale"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEWS:
+            weight, *rest = args
+            return cls(func(weight._data, *rest, **kwargs), weight._scale, weight.dtype, weight._margin)
+        if func is _aten.clone.default:
+            (weight,) = args
+            return cls(weight._data.clone(), weight._scale.clone(), weight.dtype, weight._margin)
+        if func is _aten._to_copy.default:
+            (weight,) = args
+            device = kwargs.get("device") or weight.device
+            dtype = kwargs.get("dtype") or weight.dtype
+            return cls(weight._data.to(device), weight._scale.to(device), dtype, weight._margin)
+        if func is _aten.copy_.default and isinstance(args[0], cls):
+            target, source = args[0], args[1]
+            source = source.dequantize() if isinstance(source, cls) else source
+            fmt = E4M3 if target._data.dtype == E4M3.dtype else E5M2
+            incoming = cls.quantize(source.to(target._data.device), fmt, target._margin)
+            target._data.copy_(incoming._data)
+            target._scale.copy_(incoming._scale)
+            return target
+
+        if func._schema.is_mutable and isinstance(args[0], cls):
+            raise RuntimeError(
+                f"{func.__name__} would change a weight stored in FP8 (fp8_weights), whose values are "
+                "read-only; call the layer's dequantize_weight_() first (hf_fp8.peft.merge_and_unload does "
+                "that for merging LoRA adapters)"
+            )
+
+        def plain(t):
+            return t.dequantize() if isinstance(t, cls) else t
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+class Fp8GatheredWeight(Fp8StoredWeight):
+    """A trainable weight as FSDP2 all-gathered it in FP8 (:mod:`hf_fp8.layers.fsdp`), for one forward and
+    backward: the FP8 layers run their GEMMs on its values, and its gradient (in the reported dtype)
+    goes back to the sharded weight. Anything else sees its dequantized values, as for a stored weight."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> Fp8GatheredWeight:
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], *meta)

@@ -1,0 +1,122 @@
+"""Row-wise scaling: a scale for every row of every FP8 operand (the recipes ``rowwise`` and
+``rowwise_gw_hp``).
+
+Where tensorwise scaling gives a whole tensor one scale, row-wise scaling gives each row of a GEMM
+operand its own, taken from that row's amax when the GEMM runs (no history): one outlier token or
+channel then costs precision only in its own row. ``torch._scaled_mm`` takes the scales of the left
+operand per row and of the right operand per column. Each GEMM contracts along another dimension of
+``x``, ``W`` and ``dy``, so the backward casts them again along the dimension it needs, from the
+high-precision tensors the forward saved (as torchao's row-wise recipes do):
+
+* forward ``y = x @ W.T``: ``x`` per token, ``W`` per output feature;
+* dgrad ``dx = dy @ W``: ``dy`` per token, ``W`` per input feature;
+* wgrad ``dW = dy.T @ x``: ``dy`` and ``x`` per feature, over the tokens; with ``rowwise_gw_hp`` this
+  GEMM stays in high precision (the weight gradient is the most sensitive of the three).
+
+All operands are E4M3 (cuBLAS's row-wise kernels take E4M3 only), and on the GPU the kernels write
+BF16, cast to the dtype asked for afterwards. The layer's amax history still records each tensor's
+amax, for telemetry and the NaN guard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
+
+__all__ = ["rowwise_linear"]
+
+
+def rowwise_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    record: bool,
+    config: GemmConfig,
+    weight_gradient_in_fp8: bool,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with row-wise scaled FP8 GEMMs (see the module docstring)."""
+    out = _RowwiseFp8Linear.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config, weight_gradient_in_fp8
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def cast_rows(
+    t: torch.Tensor, fmt: Fp8Format, margin: int, dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` cast to ``fmt`` with a scale per slice along ``dim`` (per row for ``dim=1``): the FP8
+    values, the scales (keeping ``dim`` as size 1) and ``t``'s amax."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    scales = compute_scale(amax, fmt, margin)
+    return cast_to_fp8(t, scales, fmt), scales, amax.amax()
+
+
+class _RowwiseFp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig, gw_in_fp8: bool):
+        fmt = config.forward_format
+        x_fp8, x_scales, x_amax = cast_rows(x, fmt, config.margin)  # (tokens, 1)
+        w_fp8, w_scales, w_amax = cast_rows(weight, fmt, config.margin)  # (out, 1)
+        out = _mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scales, w_scales.t(), config.out_dtype)
+        if bias is not None:
+            out = out + bias.to(config.out_dtype)
+        if record:
+            record_amax(amax_history, scale, INPUT, x_amax, fmt, config.margin)
+            record_amax(amax_history, scale, WEIGHT, w_amax, fmt, config.margin)
+        ctx.save_for_backward(x, weight)
+        ctx.amax_history, ctx.scale, ctx.record, ctx.config, ctx.gw_in_fp8 = (
+            amax_history,
+            scale,
+            record,
+            config,
+            gw_in_fp8,
+        )
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        config: GemmConfig = ctx.config
+        fmt, margin = config.backward_format, config.margin
+        dy = grad_output
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            dy_fp8, dy_scales, dy_amax = cast_rows(dy, fmt, margin)  # per token
+            w_fp8, w_scales, _ = cast_rows(weight, config.forward_format, margin, dim=0)  # per input feature
+            # the right operand (out, in) column-major: W.T row-major
+            grad_x = _mm(dy_fp8.contiguous(), w_fp8.t().contiguous().t(), dy_scales, w_scales, x.dtype)
+        else:
+            dy_amax = dy.detach().abs().amax().float()
+        if ctx.needs_input_grad[1]:
+            if ctx.gw_in_fp8:
+                dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
+                dy_fp8, dy_scales, _ = cast_rows(dy_t, fmt, margin)  # per output feature, over tokens
+                x_fp8, x_scales, _ = cast_rows(x_t, config.forward_format, margin)  # per input feature
+                grad_w = fp8_mm(
+                    dy_fp8.contiguous(),
+                    x_fp8.contiguous().t(),
+                    dy_scales.reciprocal(),
+                    x_scales.t().reciprocal(),
+                    weight.dtype,
+                )
+            else:
+                grad_w = in_dtype(dy.t().to(x.dtype) @ x, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(dim=0)
+        if ctx.record:
+            record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, dy_amax, fmt, margin)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_mm`` with row-wise scales (the ones the operands were cast with). On the GPU the row-wise
+    kernels write BF16 only (CUTLASS's, and cuBLAS's before 12.9): the product comes out in BF16 and
+    is cast to ``out_dtype``."""
+    kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
+    return in_dtype(fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype), out_dtype)

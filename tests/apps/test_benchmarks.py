@@ -1,0 +1,108 @@
+"""The benchmark scripts themselves, run on the CPU with a tiny shape: a smoke test, not a
+measurement, so that a GPU session does not spend its time on a broken script."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SMOKE = (
+    "--shape",
+    "tiny",
+    "--device",
+    "cpu",
+    "--compile-backend",
+    "aot_eager",
+    "--batch",
+    "2",
+    "--seq",
+    "32",
+)
+# under delayed scaling hf_fp8.compile's graphs differ in the first step and later: two warm-up steps
+TIMING = ("--warmup", "2", "--steps", "2")
+
+
+def bench(script: str, *args: str) -> str:
+    """Run a benchmark script (or ``-m module`` with its arguments) in the benchmarks folder."""
+    command = [script, *args] if script == "-m" else [str(BENCHMARKS / script), *args]
+    result = subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+        cwd=BENCHMARKS,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The last Markdown table printed, by mode."""
+    lines = out.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("| mode |"))
+    rows = [line.strip("|").split(" | ") for line in lines[header + 2 :] if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_compare_runs_each_row_in_its_own_process_and_prints_one_table():
+    rows = "bf16,bf16-compile,hf-fp8,hf-fp8-rowwise,torchao,te-fused"
+    out = bench("compare.py", "--rows", rows, *SMOKE, *TIMING)
+    table = table_rows(out)
+    assert set(table) == {"bf16", "bf16-compile", "hf-fp8", "hf-fp8-rowwise"}, out
+    assert table["bf16"][1] == "1.00x" and table["hf-fp8"][2].endswith("x")  # vs bf16, vs bf16-compile
+    assert all("error" not in " ".join(cells) for cells in table.values()), out
+    assert "torchao: left out (no --torchao-path given)" in out and "te-fused: left out" in out
+
+
+def test_compare_prints_a_table_for_each_shape_it_is_given():
+    out = bench("compare.py", "--rows", "bf16", "--shape", "tiny,tiny", *SMOKE[2:], *TIMING)
+    assert out.count("\n## tiny\n") == 2 and out.count("| bf16 | ") == 2 + 2, out  # step_bench's + ours
+
+
+def test_lora_bench_runs():
+    out = bench("lora_bench.py", "--modes", "peft-bf16,native-compile", *SMOKE, *TIMING)
+    table = table_rows(out)
+    assert set(table) == {"peft-bf16", "native-compile"} and "error" not in out, out
+
+
+def test_moe_bench_runs():
+    modes = "bf16-eager,bf16-grouped,bf16-grouped-compile,hf-fp8"
+    out = bench(
+        "moe_bench.py", "--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--seq", "32",
+        "--modes", modes, "--compile-backend", "aot_eager", *TIMING,
+    )  # fmt: skip
+    table = table_rows(out)
+    assert set(table) == set(modes.split(",")) and "error" not in out, out
+
+
+def test_fsdp_bench_runs_on_two_gloo_ranks():
+    out = bench(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
+        "--device", "cpu", "--shape", "tiny", "--layers", "3", "--batch", "2", "--seq", "32", *TIMING,
+    )  # fmt: skip
+    table = table_rows(out)
+    modes = {"bf16", "hf-fp8", "hf-fp8-ag", "hf-fp8-head-backward", "hf-fp8-ag-head-backward"}
+    assert set(table) == modes, out
+    assert all(json.loads(line)["layers"] == 3 for line in out.splitlines() if line.startswith("{"))
+    gathered = {mode: float(cells[4].replace(",", "")) for mode, cells in table.items()}
+    assert gathered["hf-fp8-ag"] < gathered["hf-fp8"] == gathered["bf16"] == gathered["hf-fp8-head-backward"]
+    assert gathered["hf-fp8-ag-head-backward"] == gathered["hf-fp8-ag"], "a head in BF16 is gathered in BF16"
+    assert table["hf-fp8-ag"][5] == table["hf-fp8"][5], "the FP8 all-gather changes no number"
+
+
+def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
+    out = bench("cpu_bench.py", "--tokens", "32", "--features", "64", "--threads", "1")
+    gemms = [line.strip("|").split(" | ") for line in out.splitlines() if line.startswith("| E")]
+    assert len(gemms) == 4, out
+    for cells in gemms:  # a call this torch has no CPU kernel for says so (torch 2.11: row-wise scales)
+        assert all(re.fullmatch(r"[\d.]+ ms \([\d.]+x\)|fails: .+", c.strip()) for c in cells[1:]), cells
+        assert cells[-1].strip().endswith("x)"), "hf-fp8's choice always runs"
+    steps = [line for line in out.splitlines() if line.startswith("| FP8 ")]
+    assert len(steps) == 4 and all(line.endswith("x |") for line in steps), out

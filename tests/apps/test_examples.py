@@ -1,0 +1,146 @@
+"""Every script in examples/, run as a user runs it (a subprocess), with tiny settings."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from demo_data import needs_demo_data
+
+from hf_fp8.recipe import LAUNCHER_ENV, RECIPES
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TINY = ("--steps", "2", "--batch-size", "1", "--seq-len", "32")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+)
+LAYER_NAMES = {"lm_head"} | {
+    f"model.layers.{i}.{p}" for i in range(30) for p in (*PROJECTIONS, "mlp.up_proj")
+}
+LAYER_NAMES |= {f"model.layers.{i}.mlp.down_proj" for i in range(30)}
+
+
+def example(
+    name: str, *args: str, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@needs_demo_data
+def test_compare_precision_finds_fp8_error_is_the_rounding_of_its_operands():
+    out = ok(example("compare_precision.py", "--seq-len", "32", "--top", "3"))
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| layer")]
+    assert len(rows) == 3 and all(row.split(" | ")[0][2:] in LAYER_NAMES for row in rows), rows
+    match = re.search(
+        r"(\d+) layers; mean FP8 error ([\d.e+-]+); largest FP8 GEMM vs rounded gap ([\d.e+-]+)", out
+    )
+    assert match is not None, out
+    layers, mean_error, gemm_gap = int(match[1]), float(match[2]), float(match[3])
+    assert layers == 211  # 30 layers x 7 projections, and the output head
+    assert 1e-3 < mean_error < 0.1, "E4M3 operands cost a few percent of relative error"
+    assert gemm_gap < 1e-5, "the FP8 GEMM equals the float32 GEMM of the rounded operands"
+
+
+@needs_demo_data
+def test_accelerate_loop_uses_the_launchers_recipe_when_given():
+    own = ok(example("accelerate_loop.py", *TINY))
+    assert "recipe from --recipe: hybrid, delayed scaling, margin 0" in own and "done: 2 steps" in own
+    launched = ok(example("accelerate_loop.py", *TINY, env={LAUNCHER_ENV: RECIPES["conservative"].to_yaml()}))
+    assert "recipe from hf-fp8 launch: hybrid, delayed scaling, margin 1" in launched
+
+
+@needs_demo_data
+def test_lora_example_saves_an_adapter_and_merges_it(tmp_path):
+    out = ok(example("lora_fp8.py", *TINY, "--out", str(tmp_path / "adapter")))
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    match = re.search(r"with the adapter ([\d.]+), merged into the base ([\d.]+)", out)
+    assert match is not None, out
+    assert float(match[1]) == pytest.approx(float(match[2]), rel=1e-3)
+
+
+@needs_demo_data
+def test_trainer_example_runs_a_single_step(tmp_path):
+    out = ok(
+        example(
+            "trainer_finetune.py",
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path),
+        )
+    )
+    assert "FP8 telemetry logged at step 1" in out
+
+
+@needs_demo_data
+def test_trainer_example_resumes_exactly(tmp_path):
+    out = ok(example("trainer_finetune.py", *TINY, "--out", str(tmp_path / "run"), "--resume-check"))
+    assert "fp8/scale_fwd_max" in out and "(identical)" in out
+
+
+def test_train_loop_honours_the_launchers_recipe():
+    own = ok(example("train_loop.py", "--steps", "2"))
+    assert "recipe from --recipe: margin 0" in own and "unpatched: Conv1D" in own
+    launched = ok(
+        example("train_loop.py", "--steps", "1", env={LAUNCHER_ENV: RECIPES["conservative"].to_yaml()})
+    )
+    assert "recipe from hf-fp8 launch: margin 1" in launched
+
+
+@pytest.mark.parametrize("name", ["trainer_finetune.py", "lora_fp8.py"])
+def test_examples_never_write_into_a_folder_that_holds_other_files(name, tmp_path):
+    keep = tmp_path / "mine.txt"
+    keep.write_text("the user's file")
+    result = example(name, *TINY, "--out", str(tmp_path))
+    assert result.returncode == 2 and "--overwrite" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"] and keep.read_text() == "the user's file"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "expected"),
+    [
+        ("trainer_finetune.py", ("--steps", "0"), "--steps"),
+        ("trainer_finetune.py", ("--steps", "1", "--resume-check"), "--resume-check needs"),
+        ("accelerate_loop.py", ("--seq-len", "8"), "--seq-len"),
+        ("accelerate_loop.py", ("--recipe", "turbo"), "'turbo' is neither a named recipe"),
+        ("lora_fp8.py", ("--lr", "3"), "--lr"),
+        ("compare_precision.py", ("--top", "0"), "--top"),
+        ("train_loop.py", ("--steps", "-1"), "--steps"),
+    ],
+)
+def test_examples_refuse_bad_arguments_in_one_line(name, args, expected):
+    result = example(name, *args)
+    assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_has_help(name):
+    out = ok(example(name, "--help"))
+    assert "usage:" in out and ("--steps" in out or "--seq-len" in out)

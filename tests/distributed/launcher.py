@@ -1,0 +1,64 @@
+"""Starting the processes of a multi-process test: the workers beside this file, one process a rank with
+the rendezvous variables torchrun would give it, side by side on the loopback interface.
+
+The ranks are started directly rather than under torchrun: its agent now and then never started the
+second worker on the 2-core CI machine, and the agent is not what these tests are about."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORKER = HERE / "dist_worker.py"
+FSDP_WORKER = HERE / "dist_fsdp_worker.py"
+TRAINER_WORKER = HERE / "dist_trainer_worker.py"
+TRAINER_FSDP_WORKER = HERE / "dist_trainer_fsdp_worker.py"
+HF_FP8 = Path(sys.executable).with_name("hf-fp8")
+TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> None:
+    """Run processes side by side on the loopback interface, their output to ``log`` (pipes have been
+    seen to stall the ranks here); if one hangs, kill them all with everything they started."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    with log.open("w") as out:
+        processes = [
+            subprocess.Popen(
+                cmd, env={**env, **extra}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+            for cmd, extra in commands
+        ]
+        try:
+            for process in processes:
+                process.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for process in processes:
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    child.kill()
+                process.kill()
+                process.wait()
+            raise AssertionError(f"hung for {TIMEOUT_S} s; output:\n{log.read_text()[-3000:]}") from None
+    codes = [p.returncode for p in processes]
+    assert codes == [0] * len(codes), log.read_text()[-3000:]
+
+
+def ranks(world: int, worker: Path = WORKER) -> list[tuple[list[str], dict[str, str]]]:
+    """What torchrun --nproc_per_node WORLD starts: one worker per rank with its rendezvous variables."""
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    return [
+        ([sys.executable, str(worker)], {**rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(world)
+    ]

@@ -1,0 +1,191 @@
+"""hf_fp8.compile: block by block, with the same numerics as eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import tiny_models as tm
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_fp8
+from hf_fp8.integrations.compiled import repeated_blocks
+
+
+def llama(layers: int = 4) -> torch.nn.Module:
+    config = AutoConfig.for_model("llama", **dict(tm.CONFIGS["llama"][1], num_hidden_layers=layers))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+def train(model, steps: int = 4, first_seed: int = 0) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    device = next(model.parameters()).device
+    for step in range(first_seed, first_seed + steps):
+        batch = {k: v.to(device) for k, v in tm.batch_for("llama", 32, seed=step).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_compiled_blocks_train_exactly_as_eager_and_compile_once_per_kind_of_step(scaling):
+    """One graph for all four blocks, compiled at once; delayed scaling compiles it once more after its
+    first step (which scales each tensor by its own amax, having no history), and never again."""
+    torch._dynamo.reset()
+    eager = llama()
+    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(scaling=scaling))
+    compiled = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    hf_fp8.compile(compiled, backend=counter)
+    blocks = repeated_blocks(compiled)
+    assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
+    reference = train(eager)
+    losses = train(compiled, steps=1)
+    first = counter.frame_count
+    losses += train(compiled, steps=3, first_seed=1)
+    assert losses == reference
+    assert counter.frame_count - first == (1 if scaling == "delayed" else 0)
+    for name, layer in eager.named_modules():
+        if isinstance(layer, hf_fp8.Fp8Module):
+            other = compiled.get_submodule(name)
+            assert torch.equal(layer.amax_history, other.amax_history) and torch.equal(
+                layer.scale, other.scale
+            )
+
+
+def test_a_converted_head_compiles_on_its_own_and_trains_exactly_as_eager():
+    """The output head lies outside the blocks: under ``convert_lm_head`` it is compiled by itself (its
+    casts fused), with the same numerics as eager."""
+    torch._dynamo.reset()
+    eager = llama(layers=2)
+    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(convert_lm_head="backward"))
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled, backend="aot_eager")
+    assert compiled.lm_head._compiled_call_impl is not None and not compiled.lm_head.forward_in_fp8
+    assert train(compiled) == train(eager)
+    assert torch.equal(compiled.lm_head.amax_history, eager.lm_head.amax_history)
+
+
+def test_telemetry_counts_a_compiled_steps_casts_as_it_counts_an_eager_ones():
+    """The sampled layers count what their casts do inside the compiled graph (a Python callback there
+    broke tracing on the GPU): the same saturation and flush statistics as an eager step's."""
+    torch._dynamo.reset()
+    eager = llama(layers=2)
+    hf_fp8.patch_model(eager)
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled, backend="aot_eager")
+    logs = []
+    for model in (eager, compiled):
+        telemetry = hf_fp8.Fp8Telemetry(model)
+        train(model, steps=2)
+        telemetry.arm()
+        train(model, steps=1, first_seed=2)
+        logs.append(telemetry.collect())
+        assert all(m.cast_counts is None for _, m in telemetry.sampled), "counting stops at collect()"
+    assert logs[0] == logs[1]
+    assert 0 < logs[0]["fp8/flushed_fwd"] < 1 and 0 < logs[0]["fp8/saturated_bwd"] < 1
+
+
+def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing():
+    torch._dynamo.reset()
+    model = llama(layers=2)
+    assert hf_fp8.compile(model, backend="aot_eager") is model
+    assert all(b._compiled_call_impl is not None for b in repeated_blocks(model))
+    hooks = len(model._forward_pre_hooks)
+    hf_fp8.compile(model, backend="aot_eager")
+    assert len(model._forward_pre_hooks) == hooks
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses = train(model, steps=2)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("options", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"debug": False}}])
+def test_inductor_options_of_the_caller_go_through(options):
+    """Combo kernels are a default, not a rule: a ``mode`` (which torch.compile refuses next to
+    ``options``) or the caller's own ``options`` compile as given."""
+    torch._dynamo.reset()
+    model = llama(layers=2)
+    hf_fp8.compile(model, **options)
+    assert all(torch.isfinite(torch.tensor(train(model, steps=1))))
+
+
+def test_training_forwards_build_no_kv_cache():
+    model = llama(layers=2)
+    hf_fp8.compile(model, backend="aot_eager")
+    out = model(**tm.batch_for("llama", 16))
+    assert out.past_key_values is None
+    model.eval()
+    with torch.no_grad():
+        unlabelled = {k: v for k, v in tm.batch_for("llama", 16).items() if k != "labels"}
+        assert model(**unlabelled).past_key_values is not None, "generation keeps its cache"
+
+
+def test_evaluation_and_generation_leave_the_training_graph_alone():
+    """A KV cache would recompile the block per layer index until torch.compile gave up on it and ran
+    training eagerly too: forwards with labels run without a cache, forwards with one run eagerly."""
+    torch._dynamo.reset()
+    model = llama(layers=9)  # more layers than torch.compile's recompile limit (8)
+    hf_fp8.patch_model(model)
+    hf_fp8.compile(model, backend="aot_eager")
+    train(model, steps=3)
+    model.eval()
+    with torch.no_grad():
+        batch = tm.batch_for("llama", 16)
+        assert model(**batch).past_key_values is None, "an evaluation loss needs no cache"
+        unlabelled = {k: v for k, v in batch.items() if k != "labels"}
+        with torch._dynamo.config.patch(error_on_recompile=True):  # forwards with a cache compile nothing
+            assert model(**unlabelled).past_key_values is not None, "a caller without labels keeps its cache"
+            generated = model.generate(unlabelled["input_ids"][:1], max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] == unlabelled["input_ids"].shape[1] + 3
+    model.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # back to the graph compiled for training
+        losses = train(model, steps=2)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forward_in_fp8", [True, False])
+def test_gpu_inductor_fused_casts_match_the_eager_reference(forward_in_fp8):
+    """On the GPU Inductor fuses each cast, its transpose and its amax into Triton kernels: one FP8 layer's
+    forward and backward, compiled, equal the eager reference path's within FP8 rounding (also with the
+    forward GEMM in high precision, as the head under ``convert_lm_head: backward``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    eager = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear), forward_in_fp8=forward_in_fp8)
+    fused = hf_fp8.Fp8Linear.from_float(copy.deepcopy(linear), forward_in_fp8=forward_in_fp8)
+    step = torch.compile(lambda layer, x: layer(x), backend="inductor")
+    for i in range(3):  # a first step by own amaxes, then delayed scales from the history
+        x = (torch.randn(64, 256, device="cuda", dtype=torch.bfloat16) * (i + 1)).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        dy = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+        y_ref, y = eager(x), step(fused, x2)
+        y_ref.backward(dy)
+        y.backward(dy)
+        torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(x2.grad, x.grad, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(fused.weight.grad, eager.weight.grad, rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(fused.amax_history, eager.amax_history)
+        hf_fp8.update_fp8_scales(eager)
+        hf_fp8.update_fp8_scales(fused)
+        fused.weight.grad = eager.weight.grad = None
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_model_trains_like_eager():
+    torch._dynamo.reset()
+    eager = llama().cuda().to(torch.bfloat16)
+    hf_fp8.patch_model(eager, backend="native")  # the default is TE where it is installed
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled)
+    reference = train(eager, steps=6)
+    losses = train(compiled, steps=6)
+    for got, expected in zip(losses, reference, strict=True):
+        assert got == pytest.approx(expected, rel=2e-2)

@@ -1,0 +1,66 @@
+"""The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`) against the torch ops they
+replace, bit for bit, on the GPU; the CPU side of the same entry points runs everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_fp8.formats import E4M3, E5M2, cast_to_fp8, compute_scale
+from hf_fp8.layers.fsdp import shard_in_fp8
+from hf_fp8.numerics.gemm import column_major_copy
+
+
+def awkward_values(rows: int, columns: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Normal values, values past the format's range at the scale used, tiny ones, zeros and a NaN."""
+    generator = torch.Generator().manual_seed(rows * columns)
+    values = torch.randn(rows, columns, generator=generator) * 3
+    values.view(-1)[::7] *= 1e4  # saturate
+    values.view(-1)[1::11] *= 1e-6  # subnormal or flushed to zero
+    values.view(-1)[2::13] = 0
+    values.view(-1)[-1] = float("nan")
+    return values.to(dtype).to(device)
+
+
+def test_a_shard_is_cast_and_padded_with_zero_rows():
+    values = awkward_values(5, 32, torch.bfloat16, "cpu")
+    scale = compute_scale(torch.tensor(4.0), E4M3)
+    shard = shard_in_fp8(values, scale, E4M3, rows=8)
+    assert shard.dtype == E4M3.dtype and shard.shape == (8, 32)
+    assert torch.equal(shard[:5].view(torch.uint8), cast_to_fp8(values, scale, E4M3).view(torch.uint8))
+    assert not shard[5:].view(torch.uint8).any()
+
+
+def test_a_column_major_copy_holds_the_same_values():
+    t = awkward_values(48, 80, torch.float32, "cpu").to(E4M3.dtype)
+    copied = column_major_copy(t, torch.empty(0))
+    assert copied.stride() == (1, 48)
+    assert torch.equal(copied.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "columns"), [(1, 16), (37, 4096), (512, 14336)])
+def test_gpu_the_shard_cast_is_the_torch_cast_to_the_bit(fmt, dtype, rows, columns):
+    values = awkward_values(rows, columns, dtype, "cuda")
+    scale = compute_scale(torch.tensor(50.0, device="cuda"), fmt)
+    padded = rows + 3
+    shard = shard_in_fp8(values, scale, fmt, rows=padded)
+    expected = cast_to_fp8(values, scale, fmt)
+    assert torch.equal(shard[:rows].view(torch.uint8), expected.view(torch.uint8))
+    assert not shard[rows:].view(torch.uint8).any()
+    assert shard[:rows].float().isnan().sum() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize(("rows", "columns"), [(1, 1), (16, 4096), (1000, 77), (4096, 14336)])
+def test_gpu_the_column_major_copy_is_the_torch_transpose(fmt, rows, columns):
+    t = awkward_values(rows, columns, torch.float32, "cuda").to(fmt.dtype)
+    after = torch.empty(1, device="cuda")
+    copied = column_major_copy(t, after)
+    assert copied.shape == t.shape and copied.stride() == (1, rows)
+    assert torch.equal(copied.contiguous().view(torch.uint8), t.view(torch.uint8))
+    compiled = torch.compile(lambda w, a: column_major_copy(w, a), fullgraph=True)
+    assert torch.equal(compiled(t, after).contiguous().view(torch.uint8), t.view(torch.uint8))
