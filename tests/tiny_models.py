@@ -221,18 +221,10 @@ def counts(report):
 
 # MoE-shaped tiny models: as in real MoE models the experts hold most of the FLOPs (Mixtral 8x7B: the
 # output head is ~1% of them); hidden 64, experts of 256, 4 layers, top-2 of 4 experts (top-4 of 8 for
-# the models that route to more).
-_MOE = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
+# the models that route to more): the dense decoder's dimensions, deeper, each family setting its own
+# intermediate sizes.
+_MOE = {k: v for k, v in _DECODER.items() if k != "intermediate_size"} | dict(
+    num_hidden_layers=4, tie_word_embeddings=False
 )
 
 
