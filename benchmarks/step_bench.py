@@ -17,12 +17,13 @@ Modes:
                              logits) in BF16 (convert_lm_head: backward)
   hf-fp8-current             the same with current scaling
   hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, compiled
-  hf-fp8-block               block scaling, compiled (emulated in the native backend: a numerics row,
-                             not a speed one)
+  hf-fp8-block, hf-fp8-block-lmhead   block scaling (DeepSeek-V3's 1x128 / 128x128), compiled, on
+                             cuBLAS's block-scaled kernels; with the output head in FP8 too
   native, native-compile     patch_model (native), eager; with torch.compile(model)
   torchao, torchao-rowwise   torchao float8 training (tensorwise / rowwise) + torch.compile(model)
   accelerate-te              accelerate's convert_model + te.autocast (TE's DelayedScaling)
   te, te-fused, te-fused-lmhead   hf-fp8's TE backend: unfused, fused Llama blocks, fused + head
+  te-block                   the TE backend, fused blocks, under TE's Float8BlockScaling
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ MODES = (
     "hf-fp8-rowwise",
     "hf-fp8-rowwise-gw-hp",
     "hf-fp8-block",
+    "hf-fp8-block-lmhead",
     "native",
     "native-compile",
     "torchao",
@@ -56,6 +58,7 @@ MODES = (
     "te",
     "te-fused",
     "te-fused-lmhead",
+    "te-block",
 )
 
 
@@ -67,6 +70,7 @@ _HF_FP8_RECIPES = {
     "hf-fp8-rowwise": hf_fp8.Fp8Recipe.named("rowwise"),
     "hf-fp8-rowwise-gw-hp": hf_fp8.Fp8Recipe.named("rowwise-gw-hp"),
     "hf-fp8-block": hf_fp8.Fp8Recipe.named("block"),
+    "hf-fp8-block-lmhead": hf_fp8.Fp8Recipe.named("block").replace(convert_lm_head=True),
 }
 
 
@@ -93,6 +97,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         recipe = "rowwise" if mode.endswith("rowwise") else "tensorwise"
         convert_to_float8_training(model.model, config=Float8LinearConfig.from_recipe_name(recipe))
         step_model = torch.compile(model, **compile_options)
+    elif mode == "te-block":
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe.named("block"), backend="te", fuse=True)
     elif mode.startswith("te"):
         recipe = hf_fp8.Fp8Recipe(convert_lm_head=mode.endswith("lmhead"))
         hf_fp8.patch_model(model, recipe, backend="te", fuse=mode.startswith("te-fused"))

@@ -299,6 +299,9 @@ RECIPES: dict[str, Fp8Recipe] = {
     "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),
     # DeepSeek-V3 blocks: 1x128 tiles for activations and gradients, 128x128 for weights.
     "block": Fp8Recipe(format="e4m3", scaling="block"),
+    # LoRA over frozen base weights stored in FP8 with a scale per 128x128 block: the layout of
+    # fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8), which load into it without a BF16 copy.
+    "lora-fp8-block": Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True),
 }
 
 

@@ -28,7 +28,7 @@ from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
-from hf_fp8.numerics.blockwise import EMULATED
+from hf_fp8.numerics.blockwise import EMULATED, block_kernels_available
 from hf_fp8.numerics.scaling import WEIGHT, advance_steps
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
@@ -117,8 +117,9 @@ class NativeBackend(Fp8Backend):
         """Where this recipe's GEMMs have no FP8 kernel here and run emulated (exactly, in float32): said
         in the report, since compiled code does not warn (a warning would break its graph)."""
         notes = []
-        if self.recipe.scaling == "block":
-            notes.append(EMULATED)
+        devices = {p.device for layer in self.layers for p in layer.parameters(recurse=False)}
+        if self.recipe.scaling == "block" and not all(block_kernels_available(d) for d in devices):
+            notes.append(f"{EMULATED} (the model is on {', '.join(sorted(str(d) for d in devices))})")
         if self.recipe.format == "e5m2":
             notes.append(
                 "format e5m2: cuBLAS has no E5M2 x E5M2 GEMM, so on a GPU all three GEMMs are emulated "

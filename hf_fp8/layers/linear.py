@@ -82,7 +82,8 @@ class Fp8Module(Fp8Scaled):
 
     @torch.no_grad()
     def quantize_weight_(self) -> None:
-        """Store the frozen weight in FP8 with a tensorwise scale from its own amax, once.
+        """Store the frozen weight in FP8 with scales from its own amax (per 128x128 block under block
+        scaling, else one for the tensor), once.
 
         The parameter stays the same Python object (optimizers, DDP and tied references keep it) and
         keeps its shape, device and reported dtype: it becomes an :class:`Fp8StoredWeight` whose FP8
@@ -95,9 +96,12 @@ class Fp8Module(Fp8Scaled):
                 "only frozen weights are stored in FP8 (a trainable weight needs its high-precision master "
                 "copy); freeze it first (requires_grad=False), or leave fp8_weights off"
             )
-        stored = Fp8StoredWeight.quantize(self.weight, self.recipe.forward_format, self.recipe.margin)
+        recipe = self.recipe
+        in_blocks = recipe.scaling == "block"
+        stored = Fp8StoredWeight.quantize(self.weight, recipe.forward_format, recipe.margin, in_blocks)
         torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
-        self.scale[WEIGHT] = stored._scale  # what the GEMMs apply (they record no scale for it)
+        if not in_blocks:
+            self.scale[WEIGHT] = stored._scale  # what the GEMMs apply (they record no scale for it)
 
     def store_weights_in_fp8(self) -> None:
         """:meth:`quantize_weight_`, under the name every native FP8 module answers to."""
@@ -137,6 +141,9 @@ class Fp8Module(Fp8Scaled):
     def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
         stored, gathered = self.weight_in_fp8, isinstance(self.weight, Fp8GatheredWeight)
+        scaling = self.recipe.scaling
+        if stored and self.weight.in_blocks and scaling != "block":
+            stored = False  # stored in blocks (from a fine-grained checkpoint): cast from its values
         if stored and self.weight.requires_grad:
             raise RuntimeError(
                 "this layer's weight is stored in FP8 (fp8_weights) and cannot train; keep it frozen, or "
@@ -144,7 +151,7 @@ class Fp8Module(Fp8Scaled):
             )
         # A weight already in FP8 (stored, or all-gathered so by FSDP2) goes to the GEMMs as it is; the
         # gradient of a gathered one goes to the parameter.
-        weight = self.weight._data if stored else self.weight
+        weight = self.weight._data if stored else self.dequantized_weight()
         weight_fp8 = self.weight._data if stored or gathered else None
         if transposed:
             weight = weight.t()
@@ -155,13 +162,16 @@ class Fp8Module(Fp8Scaled):
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
-        scaling = self.recipe.scaling
         with torch.autocast(device_type, enabled=False):
-            if scaling in ("rowwise", "rowwise_gw_hp", "block"):  # cast from the weight's own values
+            if scaling == "block":
+                in_blocks = None
+                if stored:  # its values and block scales as they are (transposed with the weight)
+                    data, scales = self.weight._data, self.weight._scale
+                    in_blocks = (data.t().contiguous(), scales.t()) if transposed else (data, scales)
+                return block_linear(x, weight, bias, self.amax_history, self.scale, record, config, in_blocks)
+            if scaling in ("rowwise", "rowwise_gw_hp"):  # cast from the weight's own values
                 plain = self.dequantized_weight()
                 plain = plain.t() if transposed else plain
-                if scaling == "block":
-                    return block_linear(x, plain, bias, self.amax_history, self.scale, record, config)
                 gw_in_fp8 = scaling == "rowwise"
                 return rowwise_linear(
                     x, plain, bias, self.amax_history, self.scale, record, config, gw_in_fp8

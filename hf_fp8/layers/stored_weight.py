@@ -1,6 +1,8 @@
 """``Fp8StoredWeight``: a frozen weight kept in FP8 that still looks like the weight it was.
 
-The values live in FP8 (one byte each) with a float32 tensorwise scale; the tensor reports the shape,
+The values live in FP8 (one byte each) with float32 scales: one for the whole tensor, or one per 128x128
+block (block scaling, and the fine-grained FP8 checkpoints of DeepSeek-V3 and Qwen3-FP8); the tensor
+reports the shape,
 device and the dtype of the weight it was made from. So code that reads ``weight.dtype`` (PEFT when
 it creates adapters, T5's feed-forward, ``model.dtype``) sees BF16 or float32, not an FP8 dtype.
 
@@ -17,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from hf_fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.numerics.blockwise import cast_blocks, expand_block_scales
 
 __all__ = ["Fp8GatheredWeight", "Fp8StoredWeight"]
 
@@ -35,6 +38,7 @@ _VIEWS = (
 
 class Fp8StoredWeight(torch.Tensor):
     """FP8 values ``_data`` and their scale ``_scale`` (``values = _data / _scale``), reporting ``dtype``.
+    ``_scale`` is one float32 value, or one per 128x128 block of ``_data`` (:attr:`in_blocks`).
     ``_margin`` is the recipe margin its scales are computed with, now and when new values come in."""
 
     _data: torch.Tensor
@@ -55,17 +59,28 @@ class Fp8StoredWeight(torch.Tensor):
         self._margin = margin
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, fmt: Fp8Format, margin: int) -> Fp8StoredWeight:
-        """``weight`` in ``fmt`` with a scale from its own amax."""
+    def quantize(
+        cls, weight: torch.Tensor, fmt: Fp8Format, margin: int, in_blocks: bool = False
+    ) -> Fp8StoredWeight:
+        """``weight`` in ``fmt`` with a scale from its own amax, or per 128x128 block (``in_blocks``)."""
         weight = weight.detach()
+        if in_blocks:
+            return cls(*cast_blocks(weight, fmt, margin), weight.dtype, margin)
         scale = compute_scale(weight.abs().amax().float(), fmt, margin)
         return cls(cast_to_fp8(weight, scale, fmt), scale, weight.dtype, margin)
+
+    @property
+    def in_blocks(self) -> bool:
+        """Whether the values have a scale per 128x128 block (else one for the whole tensor)."""
+        return self._scale.dim() == 2
 
     def dequantize(self, device: torch.device | None = None) -> torch.Tensor:
         """The values in the reported dtype, as a plain tensor (on ``device`` when given)."""
         data, scale = self._data, self._scale
         if device is not None:
             data, scale = data.to(device), scale.to(device)
+        if self.in_blocks:
+            scale = expand_block_scales(scale, *data.shape)
         return (data.float() / scale).to(self.dtype)
 
     def __repr__(self) -> str:
@@ -85,7 +100,8 @@ class Fp8StoredWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEWS:
             weight, *rest = args
-            return cls(func(weight._data, *rest, **kwargs), weight._scale, weight.dtype, weight._margin)
+            data = func(weight._data, *rest, **kwargs)
+            return cls(data, _view_scale(weight, data, func), weight.dtype, weight._margin)
         if func is _aten.clone.default:
             (weight,) = args
             return cls(weight._data.clone(), weight._scale.clone(), weight.dtype, weight._margin)
@@ -98,7 +114,7 @@ class Fp8StoredWeight(torch.Tensor):
             target, source = args[0], args[1]
             source = source.dequantize() if isinstance(source, cls) else source
             fmt = E4M3 if target._data.dtype == E4M3.dtype else E5M2
-            incoming = cls.quantize(source.to(target._data.device), fmt, target._margin)
+            incoming = cls.quantize(source.to(target._data.device), fmt, target._margin, target.in_blocks)
             target._data.copy_(incoming._data)
             target._scale.copy_(incoming._scale)
             return target
@@ -114,6 +130,20 @@ class Fp8StoredWeight(torch.Tensor):
             return t.dequantize() if isinstance(t, cls) else t
 
         return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+def _view_scale(weight: Fp8StoredWeight, data: torch.Tensor, func) -> torch.Tensor:
+    """The scale of a view of ``weight``'s values: its own, or its block scales transposed with them."""
+    if not weight.in_blocks:
+        return weight._scale
+    if func in (_aten.t.default, _aten.transpose.int):
+        return weight._scale.t()  # of a 2-D weight: (rows, cols) -> (cols, rows)
+    if data.shape == weight._data.shape and data.stride() == weight._data.stride():
+        return weight._scale
+    raise RuntimeError(
+        f"a weight stored in FP8 with 128x128 block scales cannot be viewed as {tuple(data.shape)} (from "
+        f"{tuple(weight._data.shape)}): its blocks would no longer line up; dequantize() it first"
+    )
 
 
 class Fp8GatheredWeight(Fp8StoredWeight):

@@ -1,31 +1,52 @@
 """Block scaling in the native backend (the recipe ``scaling: block``): DeepSeek-V3's 1x128 tiles for
 activations and gradients and 128x128 blocks for weights, each with its own scale, all in E4M3.
 
-Every GEMM operand is cast in blocks along the dimension the GEMM contracts over: ``x`` and ``dy`` in
-1x128 tiles (one token, 128 features) for the forward and dgrad, in 128x1 tiles (128 tokens, one
-feature) for the weight gradient, which contracts over tokens; ``W`` in 128x128 blocks, the same for
-the forward and the dgrad. PyTorch has no block-scaled FP8 GEMM kernel in the native path yet, so the
-GEMM is emulated exactly: the FP8 values are real casts, they are multiplied by their block scales in
-float32 and multiplied in float32 (announced once). The numerics are block scaling's; the speed is
-not (Transformer Engine's ``Float8BlockScaling`` runs it on Hopper: ``backend='te'``).
+Every GEMM operand is cast in blocks along the dimension the GEMM contracts over, and every GEMM is
+written ``a @ b.T`` with both operands row-major and contracting over their last dimension:
+
+* forward ``y = x @ W.T``: ``x`` in 1x128 tiles (one token, 128 features), ``W`` in 128x128 blocks;
+* dgrad ``dx = dy @ W``: ``dy`` in 1x128 tiles, ``W.T`` (the same 128x128 blocks, transposed);
+* wgrad ``dW = dy.T @ x``: ``dy.T`` and ``x.T`` in 1x128 tiles, i.e. 128 tokens of one feature.
+
+On Hopper these run on cuBLAS's block-scaled FP8 kernels through ``torch._scaled_mm`` (scales per 1x128
+tile, ``VEC128``, and per 128x128 block, ``BLK128x128``; :func:`block_kernels_available`). cuBLAS reads
+a 128x128 scale matrix with its rows padded to a multiple of 4 blocks, and torch 2.11 neither pads nor
+refuses an unpadded one: the product comes out wrong. Where the contraction has a number of blocks
+that is not a multiple of 4 (no padding needed otherwise), the weight's block scales are therefore
+handed over as 1x128 tile scales, each tile taking its block's scale: the same numbers, another
+kernel. Elsewhere (CPU, other GPUs) the GEMM is emulated exactly: the FP8 values times their scales
+in float32, multiplied in float32 (the patch report says so).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.gemm import GemmConfig, in_dtype
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
-__all__ = ["BLOCK", "EMULATED", "block_linear", "block_quantize"]
+__all__ = [
+    "BLOCK",
+    "EMULATED",
+    "block_kernels_available",
+    "block_linear",
+    "block_mm",
+    "block_quantize",
+    "cast_blocks",
+    "cast_tiles",
+    "expand_block_scales",
+]
 
 BLOCK = 128
 EMULATED = (
-    "block scaling in the native backend emulates its FP8 GEMMs in float32 (real FP8 casts and block "
-    "scales, no FP8 speed-up); backend='te' runs Float8BlockScaling kernels on Hopper"
+    "block scaling runs on cuBLAS's block-scaled FP8 kernels on Hopper GPUs (compute capability 9.0, "
+    "torch >= 2.9 built with CUDA >= 12.9); elsewhere its GEMMs are emulated exactly in float32 (real "
+    "FP8 casts and block scales, no FP8 speed-up)"
 )
 
 
@@ -37,14 +58,32 @@ def block_linear(
     scale: torch.Tensor,
     record: bool,
     config: GemmConfig,
+    stored: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` with block-scaled FP8 operands (see the module docstring)."""
-    if not torch.compiler.is_compiling():  # a warning would break a compiled graph (the report says it)
-        warnings.warn(  # shown once per place it is called from, by Python's default filter
-            f"hf_fp8: {EMULATED}", stacklevel=3
-        )
-    out = _BlockFp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config)
+    """``x @ weight.T + bias`` with block-scaled FP8 operands (see the module docstring). ``stored`` is
+    a frozen weight already in FP8: its values and 128x128 block scales, used as they are."""
+    out = _BlockFp8Linear.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config, stored
+    )
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def cast_tiles(t: torch.Tensor, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (rows, cols) cast to ``fmt`` with a scale per 1x128 tile of each row (the last tile of a row
+    may be shorter): the FP8 values (row-major) and the scales, (rows, ceil(cols / 128))."""
+    return _cast(t, 1, fmt, margin)
+
+
+def cast_blocks(t: torch.Tensor, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (rows, cols) cast to ``fmt`` with a scale per 128x128 block (edge blocks smaller): the FP8
+    values (row-major) and the scales, (ceil(rows / 128), ceil(cols / 128))."""
+    return _cast(t, BLOCK, fmt, margin)
+
+
+def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block_rows: int = BLOCK) -> torch.Tensor:
+    """Scales of ``block_rows`` x 128 blocks repeated to one per element of a (rows, cols) tensor."""
+    full = scales.repeat_interleave(block_rows, dim=0).repeat_interleave(BLOCK, dim=1)
+    return full[:rows, :cols]
 
 
 def block_quantize(t: torch.Tensor, rows: int, cols: int, fmt: Fp8Format, margin: int = 0) -> torch.Tensor:
@@ -52,7 +91,7 @@ def block_quantize(t: torch.Tensor, rows: int, cols: int, fmt: Fp8Format, margin
     smaller), returned in float32: real FP8 casts, divided back by their block's scale."""
     height, width = t.shape
     pad_rows, pad_cols = -height % rows, -width % cols
-    padded = torch.nn.functional.pad(t.float(), (0, pad_cols, 0, pad_rows))
+    padded = F.pad(t.float(), (0, pad_cols, 0, pad_rows))
     blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     scales = compute_scale(amax, fmt, margin)
@@ -60,41 +99,107 @@ def block_quantize(t: torch.Tensor, rows: int, cols: int, fmt: Fp8Format, margin
     return rounded.view(padded.shape)[:height, :width]
 
 
+def block_mm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_in_blocks: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b.T`` for row-major FP8 ``a`` (m, k) with 1x128 tile scales (m, k/128) and ``b`` (n, k)
+    with 128x128 block scales (n/128, k/128) when ``b_in_blocks``, else 1x128 tile scales (n, k/128).
+    Scales are the ones the operands were cast with (values = FP8 / scale)."""
+    if block_kernels_available(a.device):
+        if b_in_blocks and b_scales.shape[1] % 4:  # see the module docstring: as tiles, the same numbers
+            b_scales, b_in_blocks = b_scales.repeat_interleave(BLOCK, dim=0)[: b.shape[0]], False
+        a_inverse = a_scales.reciprocal().t().contiguous().t()  # (m, k/128), column-major
+        # cuBLAS reads the right operand column-major (b.T), and its scales as scales of b.T
+        b_inverse = b_scales.reciprocal()
+        b_inverse = b_inverse.contiguous().t() if b_in_blocks else b_inverse.t().contiguous()
+        return torch._scaled_mm(a, b.t(), a_inverse, b_inverse, out_dtype=out_dtype)
+    if a.device.type != "cpu" and not torch.compiler.is_compiling():  # a warning would break a graph
+        _warn_once(a.device.type)
+    a_values = a.float() / expand_block_scales(a_scales, *a.shape, block_rows=1)
+    b_values = b.float() / expand_block_scales(b_scales, *b.shape, block_rows=BLOCK if b_in_blocks else 1)
+    return in_dtype(a_values @ b_values.t(), out_dtype)
+
+
+@torch.compiler.assume_constant_result  # compiled code asks at trace time and keeps the answer
+def block_kernels_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs block-scaled FP8 GEMMs on ``device``: cuBLAS's 1x128 and
+    128x128 kernels are Hopper's (compute capability 9.0), reached from torch 2.9 on."""
+    return device.type == "cuda" and _cuda_has_block_kernels(device.index)
+
+
+@functools.cache
+def _cuda_has_block_kernels(index: int | None) -> bool:
+    return (
+        _version(torch.__version__) >= (2, 9)
+        and _version(torch.version.cuda or "0") >= (12, 9)
+        and torch.cuda.get_device_capability(index) == (9, 0)
+    )
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
+@functools.cache
+def _warn_once(device_type: str) -> None:
+    warnings.warn(f"hf_fp8: {EMULATED} ({device_type} here)", stacklevel=4)
+
+
+def _cast(t: torch.Tensor, block_rows: int, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    pad_cols, pad_rows = -cols % BLOCK, -rows % block_rows
+    padded = F.pad(t, (0, pad_cols, 0, pad_rows)) if pad_cols or pad_rows else t
+    blocks = padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // BLOCK, BLOCK)
+    amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True).float()
+    scales = compute_scale(amax, fmt, margin)
+    values = cast_to_fp8(blocks, scales, fmt).reshape(padded.shape)[:rows, :cols]
+    return values.contiguous(), scales.view(blocks.shape[0], blocks.shape[2])
+
+
 class _BlockFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig):
+    def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig, stored):
         fmt, margin = config.forward_format, config.margin
-        x_q = block_quantize(x, 1, BLOCK, fmt, margin)
-        w_q = block_quantize(weight, BLOCK, BLOCK, fmt, margin)
-        out = in_dtype(x_q @ w_q.t(), config.out_dtype)
+        x_fp8, x_scales = cast_tiles(x, fmt, margin)
+        w_fp8, w_scales = stored if stored is not None else cast_blocks(weight, fmt, margin)
+        out = block_mm(x_fp8, x_scales, w_fp8, w_scales, True, config.out_dtype)
         if bias is not None:
             out = out + bias.to(config.out_dtype)
         if record:
             record_amax(amax_history, scale, INPUT, _amax(x), fmt, margin)
-            record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
-        ctx.save_for_backward(x, w_q)
+            if stored is None:  # a stored weight's scales were taken when it was stored
+                record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
+        ctx.save_for_backward(x, w_fp8, w_scales)
         ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x, w_q = ctx.saved_tensors
+        x, w_fp8, w_scales = ctx.saved_tensors
         config: GemmConfig = ctx.config
         fmt, margin = config.backward_format, config.margin
         dy = grad_output
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = in_dtype(block_quantize(dy, 1, BLOCK, fmt, margin) @ w_q, x.dtype)
+            dy_fp8, dy_scales = cast_tiles(dy, fmt, margin)
+            # W.T in FP8: the same values and blocks, transposed
+            grad_x = block_mm(dy_fp8, dy_scales, w_fp8.t().contiguous(), w_scales.t(), True, x.dtype)
         if ctx.needs_input_grad[1]:
-            dy_q = block_quantize(dy, BLOCK, 1, fmt, margin)  # 128 tokens x 1 feature
-            x_q = block_quantize(x, BLOCK, 1, config.forward_format, margin)
-            grad_w = in_dtype(dy_q.t() @ x_q, ctx.weight_dtype)
+            dy_t_fp8, dy_t_scales = cast_tiles(dy.t(), fmt, margin)  # 128 tokens of one output feature
+            x_t_fp8, x_t_scales = cast_tiles(x.t(), config.forward_format, margin)
+            grad_w = block_mm(dy_t_fp8, dy_t_scales, x_t_fp8, x_t_scales, False, torch.float32)
+            grad_w = in_dtype(grad_w, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
             record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, _amax(dy), fmt, margin)
-        return grad_x, grad_w, grad_bias, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:

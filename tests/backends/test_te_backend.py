@@ -41,13 +41,15 @@ def test_auto_picks_native_without_an_fp8_gpu_and_says_so():
     assert not usable and reason
 
 
-def test_block_scaling_runs_emulated_in_the_native_backend():
+def test_block_scaling_on_the_cpu_is_emulated_and_the_report_says_where():
     model = tm.build("llama")
     report = patch_model(model, Fp8Recipe(scaling="block", format="e4m3"), backend="native")
     assert report.backend == "native" and len(report.converted) == 14
-    assert any("block scaling in the native backend emulates" in note for note in report.notes)
-    with pytest.warns(UserWarning, match="emulates its FP8 GEMMs"):
-        model(**tm.batch_for("llama", 32)).loss.backward()
+    assert any(
+        "emulated exactly in float32" in note and "(the model is on cpu)" in note for note in report.notes
+    )
+    model(**tm.batch_for("llama", 32)).loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.skipif(not te_importable(), reason="needs Transformer Engine to build its recipes")

@@ -1,13 +1,18 @@
 """``Fp8StoredWeight``: a frozen weight kept in FP8 that still looks like the weight it was, through
 moves and dtype casts, ties and code that reads its dtype; what would change it is refused."""
 
+import copy
+import math
+
 import pytest
 import tiny_models as tm
 import torch
 from conftest import stored_in_fp8
 from lora_setup import LORA_FP8, fp8_lora, lora, lora_for
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
-from hf_fp8 import Fp8Linear, patch_model
+from hf_fp8 import RECIPES, Fp8Conv1D, Fp8Linear, cast_to_representable, patch_model
 
 
 def test_fp8_weights_survive_dtype_and_device_moves():
@@ -99,3 +104,56 @@ def test_in_place_changes_of_a_stored_weight_are_refused():
         RuntimeError, match=r"stored in FP8 .* read-only; call the layer's dequantize_weight_"
     ):
         peft_model.merge_and_unload()
+
+
+def blocks_rounded(t: torch.Tensor) -> torch.Tensor:
+    """Each 128x128 block of ``t`` rounded to E4M3 with its own scale."""
+    out = torch.empty_like(t)
+    for i in range(0, t.shape[0], 128):
+        for j in range(0, t.shape[1], 128):
+            out[i : i + 128, j : j + 128] = cast_to_representable(t[i : i + 128, j : j + 128])
+    return out
+
+
+def block_layers(cls=nn.Linear):
+    """The same layer (384 in, 208 out) twice under block scaling: its weight trainable, and frozen and
+    stored in FP8."""
+    torch.manual_seed(0)
+    plain = nn.Linear(384, 208) if cls is nn.Linear else Conv1D(208, 384)
+    trained = (Fp8Linear if cls is nn.Linear else Fp8Conv1D).from_float(plain, RECIPES["block"]).train()
+    frozen = copy.deepcopy(plain).requires_grad_(False)
+    stored = type(trained).from_float(frozen, RECIPES["lora-fp8-block"]).train()
+    stored.quantize_weight_()
+    return trained, stored
+
+
+@pytest.mark.parametrize("cls", [nn.Linear, Conv1D], ids=["linear", "conv1d"])
+def test_lora_fp8_block_stores_a_scale_per_128x128_block_and_computes_as_block_scaling(cls):
+    """A stored weight's blocks are the blocks block scaling casts the weight to at each forward (for
+    GPT-2's Conv1D too, whose weight is stored transposed): the same outputs and input gradients."""
+    trained, stored = block_layers(cls)
+    weight = stored.weight
+    assert stored_in_fp8(weight) and weight.in_blocks and weight._data.dtype == torch.float8_e4m3fn
+    assert weight._scale.shape == (math.ceil(weight.shape[0] / 128), math.ceil(weight.shape[1] / 128))
+    assert torch.equal(weight.dequantize(), blocks_rounded(trained.weight.detach()))
+    assert torch.equal(stored.state_dict()["weight"], weight.dequantize()), "checkpoints keep HF's dtype"
+    torch.manual_seed(1)
+    x = torch.randn(2, 24, 384, requires_grad=True)
+    x_stored = x.detach().clone().requires_grad_()
+    y, y_stored = trained(x), stored(x_stored)
+    assert torch.equal(y, y_stored)
+    y.sum().backward()
+    y_stored.sum().backward()
+    assert torch.equal(x.grad, x_stored.grad) and stored.weight.grad is None
+
+
+def test_a_block_stored_weight_keeps_its_blocks_through_copies_and_refuses_reshaping():
+    _, stored = block_layers()
+    weight = stored.weight
+    new_values = torch.randn(weight.shape)
+    with torch.no_grad():
+        weight.copy_(new_values)
+    assert weight.in_blocks and torch.equal(weight.dequantize(), blocks_rounded(new_values))
+    assert torch.equal(weight.t().dequantize(), weight.dequantize().t())
+    with pytest.raises(RuntimeError, match="128x128 block scales cannot be viewed as"):
+        weight.view(-1)

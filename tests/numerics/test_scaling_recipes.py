@@ -85,8 +85,7 @@ def test_rowwise_keeps_an_outlier_row_from_costing_the_others():
 def test_block_scaling_rounds_each_tile_and_block():
     fp8 = layer(Fp8Recipe(format="e4m3", scaling="block"), in_features=384, out_features=256)
     weight = fp8.weight.detach()
-    with pytest.warns(UserWarning, match="emulates its FP8 GEMMs"):
-        x, dy, y = run(fp8, tokens=200)  # 200 tokens: the 128-token tiles of the wgrad end short
+    x, dy, y = run(fp8, tokens=200)  # 200 tokens: the 128-token tiles of the wgrad end short
     w_blocks = tiles_rounded(weight, 128, 128)
     torch.testing.assert_close(
         y.double(), tiles_rounded(x.detach(), 1, 128) @ w_blocks.T, rtol=1e-5, atol=1e-6
@@ -148,6 +147,50 @@ def test_gpu_rowwise_gemms_match_the_reference(scaling, compiled):
     else:
         wgrad = dys.double().T @ xs.double()
     close(fp8.weight.grad, wgrad, "wgrad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("stored", [False, True], ids=["trained", "stored"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(512, 1536), (576, 256)])
+def test_gpu_block_gemms_run_on_cublas_and_match_the_reference(in_features, out_features, stored, compiled):
+    """cuBLAS's block-scaled kernels (three ``_scaled_mm`` calls, none emulated), eager and compiled,
+    against the tile references, each GEMM by itself. 576 input features are 4.5 blocks: the forward's
+    weight blocks go to cuBLAS as 1x128 tiles there (torch 2.11 reads an unpadded 128x128 scale matrix
+    wrongly), 256 output features do the same for the dgrad; 200 tokens end the wgrad's tiles short."""
+    torch._dynamo.reset()
+    recipe = Fp8Recipe.named("lora-fp8-block" if stored else "block")
+    fp8 = layer(recipe, in_features=in_features, out_features=out_features).cuda().bfloat16()
+    weight = fp8.weight.detach().float().cpu()
+    fp8.weight.requires_grad_(not stored)
+    if stored:
+        fp8.quantize_weight_()
+    torch.manual_seed(1)
+    x = (
+        (torch.randn(200, in_features) * torch.logspace(-2, 1, in_features))
+        .bfloat16()
+        .cuda()
+        .requires_grad_()
+    )
+    dy = (torch.randn(200, out_features) * torch.logspace(1, -3, 200)[:, None]).bfloat16().cuda()
+    step = torch.compile(lambda m, t: m(t), backend="inductor") if compiled else (lambda m, t: m(t))
+    with ScaledMmCalls() as mm:
+        y = step(fp8, x)
+        y.backward(dy)
+    if not compiled:
+        assert len(mm.calls) == (2 if stored else 3), "forward, dgrad (and wgrad) on cuBLAS"
+    xs, dys = x.detach().float().cpu(), dy.float().cpu()
+
+    def close(got: torch.Tensor, expected: torch.Tensor, gemm: str) -> None:
+        tolerance = 2**-7 * expected.abs().max().item()  # BF16 output, FP8 rounding ties
+        error = (got.double().cpu() - expected).abs().max().item()
+        assert error <= tolerance, f"{gemm}: max error {error:.3g} > {tolerance:.3g}"
+
+    w_blocks = tiles_rounded(weight, 128, 128)
+    close(y, tiles_rounded(xs, 1, 128) @ w_blocks.T, "forward")
+    close(x.grad, tiles_rounded(dys, 1, 128) @ w_blocks, "dgrad")
+    if not stored:
+        close(fp8.weight.grad, tiles_rounded(dys, 128, 1).T @ tiles_rounded(xs, 128, 1), "wgrad")
 
 
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp", "block"])
