@@ -152,9 +152,9 @@ _KERNEL_KINDS = (
 )
 
 
-def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[str, float]:
-    """GPU milliseconds per step by kernel kind (gemm, attention, triton, optimizer, other) and the
-    kernel count, from torch.profiler over ``steps`` steps."""
+def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3, top: int = 25) -> dict:
+    """GPU milliseconds per step by kernel kind (gemm, attention, triton, optimizer, other), the kernel
+    count and the ``top`` kernels taking the most time, from torch.profiler over ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -162,6 +162,7 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[s
             step()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     kernels = 0
     for event in prof.key_averages():
         if not str(getattr(event, "device_type", "")).endswith("CUDA"):
@@ -172,9 +173,13 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3) -> dict[s
         name = event.key.lower()
         kind = next((k for k, marks in _KERNEL_KINDS if any(m in name for m in marks)), "other")
         totals[kind] = totals.get(kind, 0.0) + device_us / 1e3 / steps
+        by_kernel[event.key[:90]] = by_kernel.get(event.key[:90], 0.0) + device_us / 1e3 / steps
         kernels += event.count
     totals["kernels"] = kernels / steps
-    return {k: round(v, 2) for k, v in sorted(totals.items())}
+    result: dict = {k: round(v, 2) for k, v in sorted(totals.items())}
+    largest = sorted(by_kernel.items(), key=lambda item: -item[1])[:top]
+    result["largest"] = [(name, round(ms, 2)) for name, ms in largest]
+    return result
 
 
 def export_trace(step: Callable[[], torch.Tensor], folder: str, name: str) -> str:

@@ -17,8 +17,9 @@ Modes:
                              logits) in BF16 (convert_lm_head: backward)
   hf-fp8-current             the same with current scaling
   hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, compiled
-  hf-fp8-block, hf-fp8-block-lmhead   block scaling (DeepSeek-V3's 1x128 / 128x128), compiled, on
-                             cuBLAS's block-scaled kernels; with the output head in FP8 too
+  hf-fp8-block, hf-fp8-block-lmhead, hf-fp8-block-head-backward   block scaling (DeepSeek-V3's
+                             1x128 / 128x128), compiled, on cuBLAS's block-scaled kernels; with the
+                             output head in FP8 too; with the head's backward GEMMs in FP8
   native, native-compile     patch_model (native), eager; with torch.compile(model)
   torchao, torchao-rowwise   torchao float8 training (tensorwise / rowwise) + torch.compile(model)
   accelerate-te              accelerate's convert_model + te.autocast (TE's DelayedScaling)
@@ -50,6 +51,7 @@ MODES = (
     "hf-fp8-rowwise-gw-hp",
     "hf-fp8-block",
     "hf-fp8-block-lmhead",
+    "hf-fp8-block-head-backward",
     "native",
     "native-compile",
     "torchao",
@@ -71,6 +73,7 @@ _HF_FP8_RECIPES = {
     "hf-fp8-rowwise-gw-hp": hf_fp8.Fp8Recipe.named("rowwise-gw-hp"),
     "hf-fp8-block": hf_fp8.Fp8Recipe.named("block"),
     "hf-fp8-block-lmhead": hf_fp8.Fp8Recipe.named("block").replace(convert_lm_head=True),
+    "hf-fp8-block-head-backward": hf_fp8.Fp8Recipe.named("block").replace(convert_lm_head="backward"),
 }
 
 

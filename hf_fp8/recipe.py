@@ -101,11 +101,11 @@ class Fp8Recipe:
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
             )
-        if self.convert_lm_head == "backward" and not self.tensorwise:
+        if self.convert_lm_head == "backward" and self.scaling not in ("delayed", "current", "block"):
             raise ValueError(
-                "convert_lm_head: backward keeps the head's forward in high precision and casts the "
-                f"backward's operands with one scale each; scaling {self.scaling!r} scales by row or block: "
-                "use scaling 'delayed' or 'current', or convert_lm_head: true / false"
+                "convert_lm_head: backward keeps the head's forward in high precision and runs its backward "
+                f"GEMMs in FP8, built for tensorwise and block scaling; scaling {self.scaling!r} scales by "
+                "row: use scaling 'delayed', 'current' or 'block', or convert_lm_head: true / false"
             )
         if self.fp8_all_gather and not self.tensorwise:
             raise ValueError(

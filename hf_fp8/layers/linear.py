@@ -51,10 +51,11 @@ class Fp8Module(Fp8Scaled):
         self.train(source.training)
         self.init_fp8_state(recipe, self.weight.device)
         if not forward_in_fp8:
-            if not self.recipe.tensorwise:
+            if self.recipe.scaling not in ("delayed", "current", "block"):
                 raise ValueError(
-                    f"a forward in high precision with FP8 backward GEMMs is built for tensorwise scaling; "
-                    f"scaling {self.recipe.scaling!r} runs every GEMM in FP8: use 'delayed' or 'current'"
+                    "a forward in high precision with FP8 backward GEMMs is built for tensorwise and block "
+                    f"scaling; scaling {self.recipe.scaling!r} runs every GEMM in FP8: use 'delayed', "
+                    "'current' or 'block'"
                 )
             self.forward_in_fp8 = False
 

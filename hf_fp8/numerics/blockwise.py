@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
-from hf_fp8.numerics.gemm import GemmConfig, in_dtype
+from hf_fp8.numerics.gemm import GemmConfig, in_dtype, pad_rows
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
 
 __all__ = [
@@ -68,16 +68,20 @@ def block_linear(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def cast_tiles(t: torch.Tensor, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_tiles(
+    t: torch.Tensor, fmt: Fp8Format, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``t`` (rows, cols) cast to ``fmt`` with a scale per 1x128 tile of each row (the last tile of a row
-    may be shorter): the FP8 values (row-major) and the scales, (rows, ceil(cols / 128))."""
+    may be shorter): the FP8 values (row-major), the scales, (rows, ceil(cols / 128)), and ``t``'s amax
+    (from the tiles' amaxes, for telemetry: no second pass over ``t``)."""
     return _cast(t, 1, fmt, margin)
 
 
 def cast_blocks(t: torch.Tensor, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (rows, cols) cast to ``fmt`` with a scale per 128x128 block (edge blocks smaller): the FP8
     values (row-major) and the scales, (ceil(rows / 128), ceil(cols / 128))."""
-    return _cast(t, BLOCK, fmt, margin)
+    values, scales, _ = _cast(t, BLOCK, fmt, margin)
+    return values, scales
 
 
 def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block_rows: int = BLOCK) -> torch.Tensor:
@@ -150,7 +154,9 @@ def _warn_once(device_type: str) -> None:
     warnings.warn(f"hf_fp8: {EMULATED} ({device_type} here)", stacklevel=4)
 
 
-def _cast(t: torch.Tensor, block_rows: int, fmt: Fp8Format, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast(
+    t: torch.Tensor, block_rows: int, fmt: Fp8Format, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
     pad_cols, pad_rows = -cols % BLOCK, -rows % block_rows
     padded = F.pad(t, (0, pad_cols, 0, pad_rows)) if pad_cols or pad_rows else t
@@ -158,23 +164,29 @@ def _cast(t: torch.Tensor, block_rows: int, fmt: Fp8Format, margin: int) -> tupl
     amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True).float()
     scales = compute_scale(amax, fmt, margin)
     values = cast_to_fp8(blocks, scales, fmt).reshape(padded.shape)[:rows, :cols]
-    return values.contiguous(), scales.view(blocks.shape[0], blocks.shape[2])
+    return values.contiguous(), scales.view(blocks.shape[0], blocks.shape[2]), amax.amax()
 
 
 class _BlockFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig, stored):
         fmt, margin = config.forward_format, config.margin
-        x_fp8, x_scales = cast_tiles(x, fmt, margin)
-        w_fp8, w_scales = stored if stored is not None else cast_blocks(weight, fmt, margin)
-        out = block_mm(x_fp8, x_scales, w_fp8, w_scales, True, config.out_dtype)
-        if bias is not None:
-            out = out + bias.to(config.out_dtype)
+        if config.forward_in_fp8:
+            x_fp8, x_scales, x_amax = cast_tiles(x, fmt, margin)
+            w_fp8, w_scales = stored if stored is not None else cast_blocks(weight, fmt, margin)
+            out = block_mm(x_fp8, x_scales, w_fp8, w_scales, True, config.out_dtype)
+            if bias is not None:
+                out = out + bias.to(config.out_dtype)
+            ctx.save_for_backward(x, w_fp8, w_scales)
+        else:  # the output head's logits in high precision, as F.linear's; its backward GEMMs in FP8
+            dtype = config.out_dtype
+            out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+            x_amax = _amax(x)
+            ctx.save_for_backward(x, weight, None)
         if record:
-            record_amax(amax_history, scale, INPUT, _amax(x), fmt, margin)
+            record_amax(amax_history, scale, INPUT, x_amax, fmt, margin)
             if stored is None:  # a stored weight's scales were taken when it was stored
                 record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
-        ctx.save_for_backward(x, w_fp8, w_scales)
         ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return out
@@ -186,19 +198,24 @@ class _BlockFp8Linear(torch.autograd.Function):
         fmt, margin = config.backward_format, config.margin
         dy = grad_output
         grad_x = grad_w = grad_bias = None
+        dy_amax = None
         if ctx.needs_input_grad[0]:
-            dy_fp8, dy_scales = cast_tiles(dy, fmt, margin)
+            if w_scales is None:  # forward in high precision: the weight is cast now
+                w_fp8, w_scales = cast_blocks(w_fp8, config.forward_format, margin)
+            dy_fp8, dy_scales, dy_amax = cast_tiles(dy, fmt, margin)
             # W.T in FP8: the same values and blocks, transposed
             grad_x = block_mm(dy_fp8, dy_scales, w_fp8.t().contiguous(), w_scales.t(), True, x.dtype)
         if ctx.needs_input_grad[1]:
-            dy_t_fp8, dy_t_scales = cast_tiles(dy.t(), fmt, margin)  # 128 tokens of one output feature
-            x_t_fp8, x_t_scales = cast_tiles(x.t(), config.forward_format, margin)
+            # over the tokens (zero rows up to a multiple of 16 add nothing): 128 tokens of one feature
+            dy_t_fp8, dy_t_scales, dy_amax = cast_tiles(pad_rows(dy).t(), fmt, margin)
+            x_t_fp8, x_t_scales, _ = cast_tiles(pad_rows(x).t(), config.forward_format, margin)
             grad_w = block_mm(dy_t_fp8, dy_t_scales, x_t_fp8, x_t_scales, False, torch.float32)
             grad_w = in_dtype(grad_w, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
-            record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, _amax(dy), fmt, margin)
+            dy_amax = _amax(dy) if dy_amax is None else dy_amax
+            record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, dy_amax, fmt, margin)
         return grad_x, grad_w, grad_bias, None, None, None, None, None
 
 

@@ -196,6 +196,21 @@ def test_a_forward_in_high_precision_gives_exact_outputs_and_the_fp8_layers_grad
     assert "forward in high precision" in repr(head)
 
 
+def test_a_forward_in_high_precision_under_block_scaling_gives_the_block_layers_gradients():
+    """The head under ``block`` with ``convert_lm_head: backward``: ``F.linear``'s output, and the dgrad
+    and wgrad of a block-scaled layer to the bit (the weight cast in 128x128 blocks in the backward)."""
+    full, head = make_pair(format="e4m3", scaling="block")
+    torch.manual_seed(1)
+    x, dy = torch.randn(24, 64), torch.randn(24, 48)
+    x_full, x_head = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = head(x_head)
+    y.backward(dy)
+    assert torch.equal(y, F.linear(x, head.weight, head.bias))
+    full(x_full).backward(dy)
+    assert torch.equal(x_head.grad, x_full.grad) and torch.equal(head.weight.grad, full.weight.grad)
+    assert head.amax_history[2, 0] == dy.abs().max(), "the gradient's amax is recorded"
+
+
 def test_a_bf16_forward_in_high_precision_with_a_bias_is_f_linear_to_the_bit():
     """The bias goes into the GEMM as in ``F.linear`` (one rounding to BF16, not two)."""
     torch.manual_seed(0)
@@ -226,8 +241,8 @@ def test_a_frozen_layer_with_its_forward_in_high_precision_casts_no_input():
     assert head.amax_history[INPUT].eq(0).all() and head.amax_history[GRAD, 0] > 0
 
 
-def test_a_forward_in_high_precision_is_for_tensorwise_scaling_only():
-    with pytest.raises(ValueError, match="tensorwise scaling; scaling 'rowwise'"):
+def test_a_forward_in_high_precision_is_for_tensorwise_and_block_scaling_only():
+    with pytest.raises(ValueError, match="tensorwise and block scaling; scaling 'rowwise'"):
         recipe = Fp8Recipe(format="e4m3", scaling="rowwise")
         Fp8Linear.from_float(nn.Linear(64, 48), recipe, forward_in_fp8=False)
 
