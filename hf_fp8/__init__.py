@@ -35,11 +35,13 @@ _EXPORTS = {
     "compile": ("hf_fp8.integrations.compiled", "compile_model"),
     "fp8_autocast": ("hf_fp8.autocast", "fp8_autocast"),
     "is_patched": ("hf_fp8.patching.patch", "is_patched"),
+    "load_fp8_pretrained": ("hf_fp8.integrations.fp8_checkpoint", "load_fp8_pretrained"),
     "load_fp8_state": ("hf_fp8.integrations.checkpoint", "load_fp8_state"),
     "patch_model": ("hf_fp8.patching.patch", "patch_model"),
     "peft": ("hf_fp8.integrations.peft", None),  # the module: hf_fp8.peft.merge_and_unload
     "plan_patch": ("hf_fp8.patching.patch", "plan_patch"),
     "prepare_fp8": ("hf_fp8.integrations.prepare", "prepare_fp8"),
+    "save_fp8_pretrained": ("hf_fp8.integrations.fp8_checkpoint", "save_fp8_pretrained"),
     "save_fp8_state": ("hf_fp8.integrations.checkpoint", "save_fp8_state"),
     "unpatch_model": ("hf_fp8.patching.patch", "unpatch_model"),
     "update_fp8_scales": ("hf_fp8.backends.native", "update_fp8_scales"),
@@ -63,11 +65,13 @@ __all__ = [
     "compile",
     "fp8_autocast",
     "is_patched",
+    "load_fp8_pretrained",
     "load_fp8_state",
     "patch_model",
     "peft",
     "plan_patch",
     "prepare_fp8",
+    "save_fp8_pretrained",
     "save_fp8_state",
     "unpatch_model",
     "update_fp8_scales",
@@ -169,6 +173,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from hf_fp8.integrations import peft
     from hf_fp8.integrations.checkpoint import load_fp8_state, save_fp8_state
     from hf_fp8.integrations.compiled import compile_model as compile
+    from hf_fp8.integrations.fp8_checkpoint import load_fp8_pretrained, save_fp8_pretrained
     from hf_fp8.integrations.guard import Fp8NanGuard
     from hf_fp8.integrations.prepare import prepare_fp8
     from hf_fp8.integrations.telemetry import Fp8Telemetry
