@@ -51,8 +51,9 @@ class Fp8Recipe:
             the tensor's own amax, computed just in time), ``"rowwise"`` (a current scale per row of
             each GEMM operand), ``"rowwise_gw_hp"`` (the same, with the weight-gradient GEMM in high
             precision) or ``"block"`` (a scale per 1x128 tile of activations and gradients and per
-            128x128 block of weights; Transformer Engine's ``Float8BlockScaling``, emulated by the
-            native backend). The last three need ``format: e4m3``.
+            128x128 block of weights; DeepSeek-V3's recipe, Transformer Engine's
+            ``Float8BlockScaling``; cuBLAS's block-scaled GEMMs on Hopper, emulated exactly elsewhere).
+            The last three need ``format: e4m3``.
         margin: scale = FP8_MAX / (amax * 2**margin); each step of margin halves the scale and buys one
             binade of headroom against overflow.
         amax_history_len: amaxes kept per tensor for delayed scaling.
