@@ -49,7 +49,8 @@ class FullyShard:
 
     def __init__(self, model, args, sharded: bool):
         recipe = hf_fp8.Fp8Recipe(fp8_all_gather=args.fp8_all_gather)
-        hf_fp8.patch_model(model, recipe=recipe)  # before sharding
+        # before sharding; native: the FP8 all-gather is its (and backend 'auto' picks TE where TE imports)
+        hf_fp8.patch_model(model, recipe=recipe, backend="native")
         if sharded:
             for layer in model.model.layers:
                 fully_shard(layer)
