@@ -6,11 +6,10 @@ Mixtral-8x7B's layer shape (hidden 4096, experts of 14336, top-2 of 8, 32 heads 
 ``--layers`` layers, batch 4 x 2048 by default, AdamW fused. ``bf16-grouped`` runs transformers'
 ``grouped_mm`` experts implementation (one grouped BF16 GEMM per projection), ``bf16-eager`` its
 per-expert loop, ``hf-fp8`` the native backend's FP8 experts with the attention projections in FP8 too
-(default recipe, hybrid: grouped FP8 GEMMs in the forward, E5M2 gradients expert by expert), and
-``hf-fp8-e4m3`` the same with ``format: e4m3`` (grouped FP8 GEMMs in the backward too).
-``bf16-grouped-compile`` and ``hf-fp8-e4m3-compile`` add ``hf_fp8.compile`` (block by block;
-``--compile-backend`` picks the backend); ``hf_fp8.compile`` refuses FP8 experts under hybrid, whose
-E5M2 backward runs expert by expert.
+(default recipe, hybrid: the experts in E4M3 throughout, all six GEMMs grouped; the attention's
+gradients in E5M2), and ``hf-fp8-e4m3`` the same with ``format: e4m3`` everywhere.
+``bf16-grouped-compile``, ``hf-fp8-compile`` and ``hf-fp8-e4m3-compile`` add ``hf_fp8.compile`` (block by
+block; ``--compile-backend`` picks the backend).
 """
 
 from __future__ import annotations
@@ -25,7 +24,15 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import hf_fp8
 
-MODES = ("bf16-eager", "bf16-grouped", "bf16-grouped-compile", "hf-fp8", "hf-fp8-e4m3", "hf-fp8-e4m3-compile")
+MODES = (
+    "bf16-eager",
+    "bf16-grouped",
+    "bf16-grouped-compile",
+    "hf-fp8",
+    "hf-fp8-compile",
+    "hf-fp8-e4m3",
+    "hf-fp8-e4m3-compile",
+)
 
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32)

@@ -81,7 +81,15 @@ class NativeBackend(Fp8Backend):
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
-        if not self.recipe.tensorwise and any(isinstance(m, Fp8Experts) for m in self.layers):
+        experts = [m for m in self.layers if isinstance(m, Fp8Experts)]
+        if experts and self.recipe.format != "e4m3":
+            report.notes.append(
+                f"MoE experts ({len(experts)} module(s)) run every tensor in E4M3, their gradients too "
+                f"(format {self.recipe.format!r} elsewhere): cuBLAS's grouped FP8 GEMM takes E4M3 only, "
+                "and DeepSeek-V3 trains its experts so; modules_to_not_convert: ['experts'] keeps them in "
+                "high precision"
+            )
+        if not self.recipe.tensorwise and experts:
             report.notes.append(
                 f"MoE experts scale each of their tensors as a whole (current scaling) under scaling "
                 f"{self.recipe.scaling!r}; their linear layers follow the recipe"

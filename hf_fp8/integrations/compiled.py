@@ -32,7 +32,6 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.formats import gpu_has_fp8
-from hf_fp8.layers.experts import Fp8Experts
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.patching.patch_state import get_state
 
@@ -67,7 +66,6 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             f"the {state.backend.name} backend does not run under torch.compile; patch with "
             "backend='native' for the compiled fast path"
         )
-    _refuse_what_miscompiles(model)
     _announce_emulation(model)
     # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
     hf_model = next(
@@ -105,21 +103,6 @@ def _with_inductor_defaults(options: dict[str, Any]) -> dict[str, Any]:
     if options.get("backend", "inductor") != "inductor" or "mode" in options:
         return options
     return {**options, "options": {**_INDUCTOR_DEFAULTS, **options.get("options", {})}}
-
-
-def _refuse_what_miscompiles(model: nn.Module) -> None:
-    """Raise, before anything is compiled, for the FP8 paths measured to fail when compiled on the GPU
-    (torch 2.11, H100/H200; benchmarks/RESULTS.md); each runs correctly eagerly."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Scaled)]
-    experts = [name for name, m in layers if isinstance(m, Fp8Experts) and m.recipe.format == "hybrid"]
-    if experts:
-        raise ValueError(
-            f"MoE experts in FP8 with E5M2 gradients (format 'hybrid': {experts[0]}, {len(experts)} in all) "
-            "are not compiled: the grouped FP8 GEMM takes E4M3 only, so their backward runs one GEMM per "
-            "expert, which reads the group sizes on the host (on torch 2.11 GPUs the compiled backward "
-            "failed to partition); use format 'e4m3' (all six expert GEMMs grouped), or keep the experts "
-            "in high precision (modules_to_not_convert: ['experts'])"
-        )
 
 
 def _announce_emulation(model: nn.Module) -> None:

@@ -11,6 +11,8 @@ do not change) and runs, while FP8 is active, both projections and their backwar
   scaling with the recipe's history, as for linear layers), then runs its forward, dgrad and wgrad as
   one grouped FP8 GEMM each on Hopper (``torch._scaled_grouped_mm``, E4M3 operands), or one FP8 GEMM
   per expert that received tokens elsewhere (:mod:`hf_fp8.numerics.grouped`);
+* every tensor is E4M3, whatever the model's format (:func:`experts_recipe`): the grouped kernels take
+  nothing else, and all six GEMMs stay grouped, eager and compiled;
 * gating, the activation, biases and the routing weights stay in high precision; the router is not
   part of this module and stays in high precision too.
 
@@ -34,10 +36,18 @@ from hf_fp8.numerics.gemm import GemmConfig, quantize
 from hf_fp8.numerics.grouped import GroupLayout, expert_dgrad, expert_forward, expert_wgrad, group_layout
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["Fp8Experts", "experts_problem", "is_experts"]
+__all__ = ["Fp8Experts", "experts_problem", "experts_recipe", "is_experts"]
 
 # Roles of the scaling state, forward ones first.
 UP_INPUT, UP_WEIGHT, DOWN_INPUT, DOWN_WEIGHT, UP_GRAD, DOWN_GRAD = range(6)
+
+
+@functools.cache  # one recipe object for all experts of a model: their steps end in one batch
+def experts_recipe(recipe: Fp8Recipe) -> Fp8Recipe:
+    """The recipe MoE experts run under: the model's, with every tensor in E4M3. cuBLAS's grouped FP8
+    GEMM takes E4M3 only, so E5M2 gradients (format ``hybrid``) would run one GEMM per expert, sized on
+    the host, which neither overlaps nor compiles; DeepSeek-V3 trains its experts with E4M3 gradients."""
+    return recipe if recipe.format == "e4m3" else recipe.replace(format="e4m3")
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -75,6 +85,15 @@ class Fp8Experts(Fp8Scaled):
         "down.grad_output",
     )
     FORWARD_ROLES = 4
+
+    @property
+    def recipe(self) -> Fp8Recipe:
+        """The model's recipe with every tensor in E4M3 (see :func:`experts_recipe`)."""
+        return self._experts_recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Fp8Recipe) -> None:
+        self._experts_recipe = experts_recipe(recipe)
 
     @classmethod
     def from_float(cls, experts: nn.Module, recipe: Fp8Recipe | None = None) -> Fp8Experts:

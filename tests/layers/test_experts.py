@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8.layers.experts import Fp8Experts
+from hf_fp8.patching.step import set_recipe
 
 
 def text_batches(steps: int, batch: int = 4, length: int = 32) -> list[dict[str, torch.Tensor]]:
@@ -155,20 +156,36 @@ def test_from_pretrained_fp8_stores_the_experts_in_fp8_too(tmp_path):
     assert report.fp8_flop_share >= 0.95
 
 
-def test_hf_fp8_compile_refuses_experts_with_e5m2_gradients_and_compiles_nothing():
-    """Under format hybrid the experts' backward runs one GEMM per expert (the grouped kernel takes E4M3
-    only), reading the group sizes on the host: on torch 2.11 GPUs that backward did not compile."""
+def test_experts_run_in_e4m3_under_every_format_and_the_report_says_so():
+    """cuBLAS's grouped FP8 GEMM takes E4M3 only: under hybrid the experts' gradients are E4M3 too (all
+    six GEMMs grouped, compiled like the rest), the other layers keep E5M2 gradients; a margin the NaN
+    guard raises reaches the experts as well."""
     model = build("mixtral")
-    hf_fp8.patch_model(model)
-    with pytest.raises(
-        ValueError, match=r"E5M2 gradients \(format 'hybrid': model.layers.0.mlp.experts, 4 in"
-    ):
-        hf_fp8.compile(model, backend="aot_eager")
-    assert all(b._compiled_call_impl is None for b in model.model.layers), "nothing compiled"
-    for way_out in ({"format": "e4m3"}, {"modules_to_not_convert": ["experts"]}):  # as the message says
-        kept = build("mixtral")
-        hf_fp8.patch_model(kept, way_out)
-        hf_fp8.compile(kept, backend="aot_eager")
+    report = hf_fp8.patch_model(model)
+    experts = experts_of(model)
+    assert all(m.recipe.format == "e4m3" for m in experts) and len({id(m.recipe) for m in experts}) == 1
+    assert model.model.layers[0].self_attn.q_proj.recipe.format == "hybrid"
+    assert any("MoE experts (4 module(s)) run every tensor in E4M3" in note for note in report.notes)
+    set_recipe(model, hf_fp8.Fp8Recipe(margin=1))
+    assert all(m.recipe == hf_fp8.Fp8Recipe(format="e4m3", margin=1) for m in experts)
+
+
+def test_compiled_hybrid_experts_train_exactly_as_eager():
+    """The default recipe compiles with MoE experts (on torch 2.11 GPUs the E5M2 backward they had, one
+    GEMM per expert sized on the host, did not): the same losses and expert gradients as eager."""
+    torch._dynamo.reset()
+    eager = build("mixtral")
+    hf_fp8.patch_model(eager)
+    compiled = copy.deepcopy(eager)
+    hf_fp8.compile(compiled, backend="aot_eager")
+    for batch in text_batches(2):
+        losses = [model(**batch).loss for model in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+        assert losses[0].item() == losses[1].item()
+        for got, expected in zip(experts_of(compiled), experts_of(eager), strict=True):
+            assert got.down_proj.grad.norm() > 0
+            assert torch.equal(got.down_proj.grad, expected.down_proj.grad)
 
 
 def test_compiled_e4m3_experts_train_exactly_as_eager():
