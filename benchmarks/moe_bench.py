@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             ratio(r, base, "tokens_per_s"),
             f"{r['ms_per_step']:.1f}",
             f"{r['peak_gib']:.1f}",
+            f"{r['loss']:.4f}",
         ]
 
-    print_table(results, "bf16-grouped", ["tokens/s", "vs bf16-grouped", "ms/step", "peak GiB"], cells)
+    headers = ["tokens/s", "vs bf16-grouped", "ms/step", "peak GiB", "loss after the steps"]
+    print_table(results, "bf16-grouped", headers, cells)
     return 0
 
 
