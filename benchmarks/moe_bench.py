@@ -9,7 +9,8 @@ per-expert loop, ``hf-fp8`` the native backend's FP8 experts with the attention 
 (default recipe, hybrid: the experts in E4M3 throughout, all six GEMMs grouped; the attention's
 gradients in E5M2), and ``hf-fp8-e4m3`` the same with ``format: e4m3`` everywhere.
 ``bf16-grouped-compile``, ``hf-fp8-compile`` and ``hf-fp8-e4m3-compile`` add ``hf_fp8.compile`` (block by
-block; ``--compile-backend`` picks the backend).
+block; ``--compile-backend`` picks the backend); ``hf-fp8-experts-bf16-compile`` keeps the experts in
+BF16 (the attention in FP8), to tell the experts' share of a difference from the rest's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MODES = (
     "bf16-grouped-compile",
     "hf-fp8",
     "hf-fp8-compile",
+    "hf-fp8-experts-bf16-compile",
     "hf-fp8-e4m3",
     "hf-fp8-e4m3-compile",
 )
@@ -62,7 +64,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2 // 8  # top-2 of 8
     flops = training_flops(model, args.batch, args.seq) + 6.0 * routed * args.batch * args.seq
     if mode.startswith("hf-fp8"):
-        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3" if "e4m3" in mode else "hybrid"))
+        kept = ["experts"] if "experts-bf16" in mode else []
+        recipe = hf_fp8.Fp8Recipe(format="e4m3" if "e4m3" in mode else "hybrid", modules_to_not_convert=kept)
+        hf_fp8.patch_model(model, recipe)
     if mode.endswith("-compile"):
         hf_fp8.compile(model, backend=args.compile_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
