@@ -13,6 +13,7 @@ Modes:
   peft-te               accelerate's convert_model under te.quantized_model_init, then PEFT (its TE
                         dispatch) and te.autocast: the peer with FP8 weights
   native[-compile]      patch_model(recipe lora-fp8), then PEFT; base GEMMs in FP8 from FP8 weights
+  native-block-compile  the same under lora-fp8-block: base weights stored per 128x128 block
   te                    PEFT, then patch_model(recipe lora-fp8, backend="te"): TE layers, FP8 weights
   ...-lmhead            the same with the output head in FP8 too (convert_lm_head)
 """
@@ -36,6 +37,7 @@ MODES = (
     "native",
     "native-compile",
     "native-compile-lmhead",
+    "native-block-compile",
     "te",
     "te-lmhead",
 )
@@ -62,7 +64,8 @@ def base_weight_bytes(model: torch.nn.Module) -> int:
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     model = build(args.shape, args.device)
     forward_context = contextlib.nullcontext
-    recipe = hf_fp8.RECIPES["lora-fp8"].replace(convert_lm_head=mode.endswith("lmhead"))
+    recipe = hf_fp8.RECIPES["lora-fp8-block" if "block" in mode else "lora-fp8"]
+    recipe = recipe.replace(convert_lm_head=mode.endswith("lmhead"))
     if mode == "peft-bf16":
         model = lora(model)
     elif mode == "peft-te":
