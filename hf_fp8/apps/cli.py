@@ -241,6 +241,7 @@ def _env(argv: list[str]) -> int:
 
     from hf_fp8.backends.te import te_usable
     from hf_fp8.formats import gpu_has_fp8
+    from hf_fp8.numerics.blockwise import block_kernels_available
 
     for package in ("hf-fp8", "torch", "transformers", "accelerate", "peft", "transformer-engine"):
         try:
@@ -255,6 +256,13 @@ def _env(argv: list[str]) -> int:
         for i in range(torch.cuda.device_count()):
             capability = torch.cuda.get_device_capability(i)
             fp8 = "FP8 GEMMs" if gpu_has_fp8(i) else "no FP8 (needs compute capability >= 8.9)"
+            if gpu_has_fp8(i):
+                block = block_kernels_available(torch.device("cuda", i))
+                fp8 += (
+                    ", block-scaled ones too"
+                    if block
+                    else "; block scaling emulated (Hopper and torch >= 2.9 run it)"
+                )
             print(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {capability}: {fp8}")
     else:
         print("GPUs: none (CUDA not available); FP8 numerics run on the CPU")
