@@ -165,11 +165,13 @@ class Fp8Module(Fp8Scaled):
         record = self.training and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
             if scaling == "block":
-                in_blocks = None
+                stored_blocks = None
                 if stored:  # its values and block scales as they are (transposed with the weight)
                     data, scales = self.weight._data, self.weight._scale
-                    in_blocks = (data.t().contiguous(), scales.t()) if transposed else (data, scales)
-                return block_linear(x, weight, bias, self.amax_history, self.scale, record, config, in_blocks)
+                    stored_blocks = (data.t().contiguous(), scales.t()) if transposed else (data, scales)
+                return block_linear(
+                    x, weight, bias, self.amax_history, self.scale, record, config, stored_blocks
+                )
             if scaling in ("rowwise", "rowwise_gw_hp"):  # cast from the weight's own values
                 plain = self.dequantized_weight()
                 plain = plain.t() if transposed else plain

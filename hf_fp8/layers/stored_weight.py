@@ -2,9 +2,9 @@
 
 The values live in FP8 (one byte each) with float32 scales: one for the whole tensor, or one per 128x128
 block (block scaling, and the fine-grained FP8 checkpoints of DeepSeek-V3 and Qwen3-FP8); the tensor
-reports the shape,
-device and the dtype of the weight it was made from. So code that reads ``weight.dtype`` (PEFT when
-it creates adapters, T5's feed-forward, ``model.dtype``) sees BF16 or float32, not an FP8 dtype.
+reports the shape, device and the dtype of the weight it was made from. So code that reads
+``weight.dtype`` (PEFT when it creates adapters, T5's feed-forward, ``model.dtype``) sees BF16 or
+float32, not an FP8 dtype.
 
 The FP8 layers read ``_data`` and ``_scale`` and run their GEMMs on them directly. Everything else
 done with the tensor sees its dequantized values: any other operation computes on a temporary

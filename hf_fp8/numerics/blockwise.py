@@ -36,7 +36,6 @@ __all__ = [
     "block_kernels_available",
     "block_linear",
     "block_mm",
-    "block_quantize",
     "cast_blocks",
     "cast_tiles",
     "expand_block_scales",
@@ -88,19 +87,6 @@ def expand_block_scales(scales: torch.Tensor, rows: int, cols: int, block_rows: 
     """Scales of ``block_rows`` x 128 blocks repeated to one per element of a (rows, cols) tensor."""
     full = scales.repeat_interleave(block_rows, dim=0).repeat_interleave(BLOCK, dim=1)
     return full[:rows, :cols]
-
-
-def block_quantize(t: torch.Tensor, rows: int, cols: int, fmt: Fp8Format, margin: int = 0) -> torch.Tensor:
-    """``t`` rounded to what ``fmt`` holds with one scale per ``rows`` x ``cols`` block (edge blocks
-    smaller), returned in float32: real FP8 casts, divided back by their block's scale."""
-    height, width = t.shape
-    pad_rows, pad_cols = -height % rows, -width % cols
-    padded = F.pad(t.float(), (0, pad_cols, 0, pad_rows))
-    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scales = compute_scale(amax, fmt, margin)
-    rounded = cast_to_fp8(blocks, scales, fmt).float() / scales
-    return rounded.view(padded.shape)[:height, :width]
 
 
 def block_mm(
@@ -158,8 +144,8 @@ def _cast(
     t: torch.Tensor, block_rows: int, fmt: Fp8Format, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
-    pad_cols, pad_rows = -cols % BLOCK, -rows % block_rows
-    padded = F.pad(t, (0, pad_cols, 0, pad_rows)) if pad_cols or pad_rows else t
+    extra_cols, extra_rows = -cols % BLOCK, -rows % block_rows  # edge blocks padded with zeros
+    padded = F.pad(t, (0, extra_cols, 0, extra_rows)) if extra_cols or extra_rows else t
     blocks = padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // BLOCK, BLOCK)
     amax = blocks.detach().abs().amax(dim=(1, 3), keepdim=True).float()
     scales = compute_scale(amax, fmt, margin)
