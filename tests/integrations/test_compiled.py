@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_fp8
+from hf_fp8 import Fp8Linear, Fp8Recipe
 from hf_fp8.integrations.compiled import repeated_blocks
 
 
@@ -104,6 +105,36 @@ def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing
     with torch._dynamo.config.patch(error_on_recompile=True):
         losses = train(model, steps=2)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma"])
+def test_the_head_and_the_loss_compile_as_one_graph_beside_the_blocks(arch):
+    """What a causal LM does after its decoder (head, logit transforms, loss) is one graph: eager, a
+    head over a vocabulary no multiple of 8 ran on cuBLAS's unaligned kernels and each logit transform
+    was a pass of its own. The decoder stays a graph break; its blocks keep their own graph."""
+    torch._dynamo.reset()
+    model = tm.build(arch)
+    reference = copy.deepcopy(model)
+    hf_fp8.patch_model(model, "head-backward")
+    graphs: list[set[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append({getattr(node.target, "__name__", str(node.target)) for node in gm.graph.nodes})
+        return gm.forward
+
+    hf_fp8.compile(model, backend=backend)
+    batch = tm.batch_for(arch, 32, seed=0)
+    loss = model(**batch).loss
+    loss.backward()
+    with_loss = [g for g in graphs if "cross_entropy" in g]
+    # the head (its FP8 Function reads its weight) in the loss's graph
+    assert len(with_loss) == 1 and any("lm_head_parameters_weight" in t for t in with_loss[0])
+    assert "scaled_dot_product_attention" not in with_loss[0]  # no block inlined into it
+    assert any("scaled_dot_product_attention" in g for g in graphs)  # the blocks: graphs of their own
+    # the head's forward keeps the logits in high precision, so the loss is what the plain head gives
+    hf_fp8.patch_model(reference, Fp8Recipe.named("head-backward").replace(convert_lm_head=False))
+    assert isinstance(model.get_output_embeddings(), Fp8Linear)
+    assert loss.item() == pytest.approx(reference(**batch).loss.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("options", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"debug": False}}])
