@@ -82,6 +82,23 @@ def test_moe_bench_runs():
     assert set(table) == set(modes.split(",")) and "error" not in out, out
 
 
+def test_arch_sweep_runs_each_row_in_a_process_and_compares_losses():
+    out = bench(
+        "arch_sweep.py", "--families", "gpt2", "--rows", "bf16-compile,hf-fp8-fastest", "--tiny", "--device",
+        "cpu", "--compile-backend", "aot_eager", "--batch", "2", "--seq", "32", *TIMING,
+    )  # fmt: skip
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["family"], r["mode"]) for r in results] == [
+        ("gpt2", "bf16-compile"),
+        ("gpt2", "hf-fp8-fastest"),
+    ]
+    assert all("error" not in r for r in results), out
+    (row,) = [line for line in out.splitlines() if line.startswith("| gpt2 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    compile_loss, fp8_loss = results[0]["loss"], results[1]["loss"]
+    assert cells[12] == f"{fp8_loss:.3f} ({(fp8_loss / compile_loss - 1) * 100:+.1f}%)", row
+
+
 def test_fsdp_bench_runs_on_two_gloo_ranks():
     out = bench(
         "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
