@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 import warnings
 from typing import Any
 
@@ -100,9 +101,10 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     kernels (GPT-2's 50257: 33 ms of a 71 ms step on an H200); compiled, Inductor pads it.
 
     The decoder (the base model, holding every block) stays a graph break: its blocks run their own
-    compiled graphs. Both are set as instance attributes (``forward``); deleting them undoes it. Returns
-    whether it applied (a model with no separate base model holding the blocks keeps the per-piece
-    compilation)."""
+    compiled graphs. Both become instance attributes (``forward``), methods bound to their module, so
+    a deep copy of the model (an EMA or a reference model) runs its own weights; deleting them undoes
+    it. Returns whether it applied: a model with no separate base model holding the blocks, or whose
+    ``forward`` someone already replaced, keeps the per-piece compilation."""
     decoder = getattr(hf_model, "base_model", None)
     computes_loss = "labels" in inspect.signature(hf_model.forward).parameters
     if decoder is None or decoder is hf_model or not computes_loss:
@@ -110,12 +112,19 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     inside = {id(m) for m in decoder.modules()}
     if any(id(block) not in inside for block in blocks):
         return False
+    if not (_plain_forward(hf_model) and _plain_forward(decoder)):
+        return False
     if callable(getattr(hf_model, "loss_function", None)):
         # resolved once here: HF's property logs (a graph break) each time it finds no loss_type
         hf_model.loss_function = hf_model.loss_function
-    decoder.forward = torch.compiler.disable(decoder.forward)
-    hf_model.forward = torch.compile(hf_model.forward, **options)
+    decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)
+    hf_model.forward = types.MethodType(torch.compile(type(hf_model).forward, **options), hf_model)
     return True
+
+
+def _plain_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is its class's own (no wrapper of someone else's in its place)."""
+    return "forward" not in vars(module)
 
 
 # Inductor settings the blocks compile with unless the caller chooses otherwise. Combo kernels launch

@@ -137,6 +137,22 @@ def test_the_head_and_the_loss_compile_as_one_graph_beside_the_blocks(arch):
     assert loss.item() == pytest.approx(reference(**batch).loss.item(), rel=1e-5)
 
 
+def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights():
+    """An EMA or a reference model (TRL deep-copies the policy) must not run the original's forward."""
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    hf_fp8.compile(model, backend="aot_eager")
+    batch = tm.batch_for("llama", 32, seed=0)
+    original = model(**batch).loss.item()
+    clone = copy.deepcopy(model)
+    expected = tm.build("llama")
+    with torch.no_grad():
+        clone.lm_head.weight.mul_(100)
+        expected.lm_head.weight.mul_(100)
+    assert clone(**batch).loss.item() == pytest.approx(expected(**batch).loss.item(), rel=1e-5)
+    assert model(**batch).loss.item() == original != pytest.approx(clone(**batch).loss.item(), rel=0.1)
+
+
 @pytest.mark.parametrize("options", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"debug": False}}])
 def test_inductor_options_of_the_caller_go_through(options):
     """Combo kernels are a default, not a rule: a ``mode`` (which torch.compile refuses next to
