@@ -83,8 +83,9 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
 
     for block in blocks:
         block.compile(**options)
-    # FP8 layers outside the blocks (an output head under convert_lm_head): eagerly, each cast of the
-    # head's large operands (the 8192 x 128256 logits' gradient, on the Llama-3 shapes) is five passes.
+    # FP8 layers outside the blocks that the head's graph does not hold (the head itself is inlined there
+    # when it has one): eagerly, each cast of a large operand (the 8192 x 128256 logits' gradient, on the
+    # Llama-3 shapes) is five passes.
     inside = {id(m) for block in blocks for m in block.modules()}
     for module in model.modules():
         if isinstance(module, Fp8Scaled) and id(module) not in inside:
@@ -103,8 +104,11 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     The decoder (the base model, holding every block) stays a graph break: its blocks run their own
     compiled graphs. Both become instance attributes (``forward``), methods bound to their module, so
     a deep copy of the model (an EMA or a reference model) runs its own weights; deleting them undoes
-    it. Returns whether it applied: a model with no separate base model holding the blocks, or whose
-    ``forward`` someone already replaced, keeps the per-piece compilation."""
+    it. As with ``nn.Module.compile`` (which the blocks get), a module then refers to itself: a deleted
+    model is freed by the garbage collector (``gc.collect()``), not at once. Returns whether it applied:
+    a model with no separate base model holding the blocks, or whose ``forward`` someone already
+    replaced, keeps the per-piece compilation. Models with a head other than a language model's (a
+    sequence classifier) take the same path."""
     decoder = getattr(hf_model, "base_model", None)
     computes_loss = "labels" in inspect.signature(hf_model.forward).parameters
     if decoder is None or decoder is hf_model or not computes_loss:
@@ -117,8 +121,10 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     if callable(getattr(hf_model, "loss_function", None)):
         # resolved once here: HF's property logs (a graph break) each time it finds no loss_type
         hf_model.loss_function = hf_model.loss_function
+    # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
+    head_options = {**options, "fullgraph": False}
     decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)
-    hf_model.forward = types.MethodType(torch.compile(type(hf_model).forward, **options), hf_model)
+    hf_model.forward = types.MethodType(torch.compile(type(hf_model).forward, **head_options), hf_model)
     return True
 
 

@@ -107,6 +107,35 @@ def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+def gemma2_with_soft_capping() -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        "gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=250, final_logit_softcapping=30.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+
+
+def test_a_logit_transform_compiles_in_the_loss_graph_and_fullgraph_still_compiles():
+    """Gemma-2's soft-capping (tanh over the whole logits) is in the head's graph; ``fullgraph=True``
+    holds for the blocks (the decoder is a graph break by design)."""
+    torch._dynamo.reset()
+    model = gemma2_with_soft_capping()
+    reference = copy.deepcopy(model)
+    graphs: list[set[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append({getattr(node.target, "__name__", str(node.target)) for node in gm.graph.nodes})
+        return gm.forward
+
+    hf_fp8.compile(model, backend=backend, fullgraph=True)
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    (with_loss,) = [g for g in graphs if "cross_entropy" in g]
+    assert "tanh" in with_loss
+    assert loss.item() == pytest.approx(reference(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "gemma"])
 def test_the_head_and_the_loss_compile_as_one_graph_beside_the_blocks(arch):
     """What a causal LM does after its decoder (head, logit transforms, loss) is one graph: eager, a
