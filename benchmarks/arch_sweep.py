@@ -1,4 +1,4 @@
-"""The fast path across model families: BF16 against hf-fp8 on a dozen architectures, a process per row.
+"""The fast path across model families: BF16 against hf-fp8 on 13 architectures, a process per row.
 
     python benchmarks/arch_sweep.py --families all --out sweep.jsonl [--torchao-path /root/torchao]
 
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also break a step's GPU time down by kind")
     parser.add_argument("--worker", nargs=2, metavar=("FAMILY", "ROW"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warmup < 2:
+        parser.error("--warmup 2 at least: under delayed scaling hf_fp8.compile compiles after the first")
     if args.worker:
         try:
             result = run_row(*args.worker, args)
@@ -164,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(families) - set(FAMILIES)) + sorted(set(rows) - set(ROWS))
     if unknown:
         parser.error(f"unknown families or rows: {unknown}")
-    passed_on = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
+    passed_on = list(argv if argv is not None else sys.argv[1:])  # the worker ignores the driver's own
     results = []
     for family in families:
         for row in rows:
             if row == "torchao" and not args.torchao_path:
                 print("# torchao: left out (no --torchao-path given)", flush=True)
                 continue
-            result = _run_worker(family, row, args, _without(passed_on, ("--families", "--rows", "--out")))
+            result = _run_worker(family, row, args, passed_on)
             print(json.dumps(result), flush=True)
             results.append(result)
             if args.out:
@@ -181,27 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` without ``options`` and their values (the driver's own)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in options:
-            skip = True
-        elif not arg.startswith(tuple(o + "=" for o in options)):
-            kept.append(arg)
-    return kept
-
-
 def _run_worker(family: str, row: str, args: argparse.Namespace, passed_on: list[str]) -> dict:
+    """One row of one family in a process of its own (torchao on its path only for its row); its result,
+    or the error it ended with."""
     env = dict(os.environ)
-    extra = args.torchao_path if row == "torchao" else None
+    extra = os.path.abspath(args.torchao_path) if row == "torchao" else None
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, str(HERE.parent), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.jsonl"
-        command = [sys.executable, str(HERE / "arch_sweep.py"), "--worker", family, row, "--out", str(out)]
-        process = subprocess.run([*command, *passed_on], env=env, cwd=HERE)
+        # the worker's own options last: they win over the driver's (--out above all)
+        worker = ["--worker", family, row, "--out", str(out)]
+        process = subprocess.run([sys.executable, str(HERE / "arch_sweep.py"), *passed_on, *worker], env=env)
         if out.exists():
             return json.loads(out.read_text().splitlines()[-1])
     return {"family": family, "mode": row, "error": f"exit status {process.returncode}"}
@@ -210,9 +202,9 @@ def _run_worker(family: str, row: str, args: argparse.Namespace, passed_on: list
 def print_sweep(results: list[dict]) -> None:
     """One Markdown line per family: tokens/s per row, FP8's ratios, last losses, memory, warm-up."""
     by = {(r["family"], r["mode"]): r for r in results if "error" not in r}
-    ratios = ["default / compile", "fastest / compile", "fastest / eager"]
-    losses = ["loss compile", "loss default", "loss fastest"]
-    titles = [*ROWS, *ratios, *losses, "peak GiB compile / fastest", "warm-up s compile / fastest"]
+    ratio_titles = ["default / compile", "fastest / compile", "fastest / eager"]
+    loss_titles = ["loss compile", "loss default", "loss fastest"]
+    titles = [*ROWS, *ratio_titles, *loss_titles, "peak GiB compile / fastest", "warm-up s compile / fastest"]
     print("\n| family | " + " | ".join(titles) + " |\n" + "|---" * (len(titles) + 1) + "|")
 
     def get(family: str, mode: str, key: str) -> float | None:
