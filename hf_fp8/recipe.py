@@ -102,7 +102,7 @@ class Fp8Recipe:
                 f"scaling {self.scaling!r} runs every GEMM operand in E4M3 (its kernels take no E5M2); set "
                 f"format: e4m3 (format is {self.format!r})"
             )
-        if self.convert_lm_head == "backward" and self.scaling not in ("delayed", "current", "block"):
+        if self.convert_lm_head == "backward" and not self.backward_only_fp8:
             raise ValueError(
                 "convert_lm_head: backward keeps the head's forward in high precision and runs its backward "
                 f"GEMMs in FP8, built for tensorwise and block scaling; scaling {self.scaling!r} scales by "
@@ -120,6 +120,12 @@ class Fp8Recipe:
         """Whether a cast scales a whole tensor by one scale (delayed or current scaling), not by row or
         by block."""
         return self.scaling in ("delayed", "current")
+
+    @property
+    def backward_only_fp8(self) -> bool:
+        """Whether a layer can keep its forward GEMM in high precision and run only its two backward GEMMs
+        in FP8 (``convert_lm_head: backward``): tensorwise and block scaling, not row-wise."""
+        return self.tensorwise or self.scaling == "block"
 
     @property
     def forward_format(self) -> Fp8Format:
