@@ -26,16 +26,13 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import traceback
-from pathlib import Path
 
 import torch
 from harness import measure, training_flops
+from processes import run_script
 
-HERE = Path(__file__).resolve().parent
 ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "torchao")
 
 # family: (config class, its keyword arguments at about 1B width, layers); each a published model's
@@ -185,18 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_worker(family: str, row: str, args: argparse.Namespace, passed_on: list[str]) -> dict:
     """One row of one family in a process of its own (torchao on its path only for its row); its result,
-    or the error it ended with."""
-    env = dict(os.environ)
+    or the error it ended with. The worker's options come after the driver's: they win."""
     extra = os.path.abspath(args.torchao_path) if row == "torchao" else None
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, str(HERE.parent), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.jsonl"
-        # the worker's own options last: they win over the driver's (--out above all)
-        worker = ["--worker", family, row, "--out", str(out)]
-        process = subprocess.run([sys.executable, str(HERE / "arch_sweep.py"), *passed_on, *worker], env=env)
-        if out.exists():
-            return json.loads(out.read_text().splitlines()[-1])
-    return {"family": family, "mode": row, "error": f"exit status {process.returncode}"}
+    found, status = run_script("arch_sweep.py", [*passed_on, "--worker", family, row], extra)
+    return found[-1] if found else {"family": family, "mode": row, "error": f"exit status {status}"}
 
 
 def print_sweep(results: list[dict]) -> None:

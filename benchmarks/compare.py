@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from processes import run_script
+
 DEFAULT_ROWS = "bf16,bf16-compile,hf-fp8,hf-fp8-lmhead,torchao,te-fused,te-fused-lmhead"
 
 
@@ -69,15 +66,10 @@ def _extra_path(row: str, args: argparse.Namespace) -> str | bool | None:
 def _run(
     modes: list[str], extra: str | None, shape: str, passed_on: list[str], te_process: bool
 ) -> list[dict]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, str(HERE.parent), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.jsonl"
-        command = [sys.executable, str(HERE / "step_bench.py"), "--shape", shape, "--modes", ",".join(modes)]
-        process = subprocess.run([*command, "--out", str(out), *passed_on], env=env, cwd=HERE)
-        found = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    if process.returncode and not found:
-        found = [{"mode": m, "shape": shape, "error": f"exit status {process.returncode}"} for m in modes]
+    arguments = ["--shape", shape, "--modes", ",".join(modes), *passed_on]
+    found, status = run_script("step_bench.py", arguments, extra)
+    if status and not found:
+        found = [{"mode": m, "shape": shape, "error": f"exit status {status}"} for m in modes]
     if te_process:
         for result in found:
             if result["mode"] == "bf16":
