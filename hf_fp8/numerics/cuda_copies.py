@@ -18,7 +18,7 @@ import torch
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8
 
-__all__ = ["cast_into", "transposed_copy"]
+__all__ = ["cast_into", "transposed_copy", "triton_installed"]
 
 
 def cast_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -41,9 +41,10 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_runs_on(t: torch.Tensor) -> bool:
-    return t.is_cuda and _triton_installed()
+    return t.is_cuda and triton_installed()
 
 
 @functools.cache
-def _triton_installed() -> bool:
+def triton_installed() -> bool:
+    """Whether Triton can be imported (PyTorch's CUDA builds on Linux bring it)."""
     return importlib.util.find_spec("triton") is not None

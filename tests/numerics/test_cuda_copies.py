@@ -1,14 +1,17 @@
-"""The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`) against the torch ops they
-replace, bit for bit, on the GPU; the CPU side of the same entry points runs everywhere."""
+"""The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`) and the block recipe's
+fused backward casts against the torch ops they replace, bit for bit, on the GPU; the CPU side of the
+same entry points runs everywhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.formats import E4M3, E5M2, cast_to_fp8, compute_scale
 from hf_fp8.layers.fsdp import shard_in_fp8
-from hf_fp8.numerics.gemm import column_major_copy
+from hf_fp8.numerics.blockwise import cast_tiles, cast_tiles_transposed
+from hf_fp8.numerics.gemm import column_major_copy, pad_rows
 
 
 def awkward_values(rows: int, columns: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -36,6 +39,51 @@ def test_a_column_major_copy_holds_the_same_values():
     copied = column_major_copy(t, torch.empty(0))
     assert copied.stride() == (1, 48)
     assert torch.equal(copied.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_transposed_tile_cast_pads_the_rows_to_16_with_zeros_and_keeps_the_nan_in_its_amax():
+    values = awkward_values(20, 300, torch.bfloat16, "cpu")
+    rows_fp8, row_scales, t_fp8, t_scales, amax = cast_tiles_transposed(values, E4M3, 0, with_rows=True)
+    assert rows_fp8.shape == (20, 300) and row_scales.shape == (20, 3)
+    assert t_fp8.shape == (300, 32) and t_scales.shape == (300, 1)
+    assert not t_fp8[:, 20:].view(torch.uint8).any()
+    unpadded = cast_tiles(values.t(), E4M3, 0)[0]
+    assert torch.equal(t_fp8[:, :20].contiguous().view(torch.uint8), unpadded.view(torch.uint8))
+    assert amax.isnan()
+    assert cast_tiles_transposed(values, E4M3, 0, with_rows=False)[:2] == (None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize(("rows", "columns"), [(1, 16), (200, 576), (1000, 77), (4096, 1024)])
+def test_gpu_the_fused_tile_casts_are_the_torch_casts_to_the_bit(fmt, margin, rows, columns):
+    from hf_fp8.numerics.triton_kernels import cast_tiles_both
+
+    values = awkward_values(rows, columns, torch.bfloat16, "cuda")
+    values[-1, -1] = 0.5  # the NaN goes to a tile of its own, so the others are compared value for value
+    values[rows // 2, 0] = float("nan")
+    target = fmt.max / 2.0**margin
+    padded = pad_rows(values)
+    torch._dynamo.reset()  # one lambda compiled per case
+    rows_fp8, row_scales, t_fp8, t_scales, tile_amaxes = cast_tiles_both(
+        values, fmt.dtype, fmt.max, target, True
+    )
+    for got, (want, want_scales, _) in [
+        ((rows_fp8, row_scales), cast_tiles(values, fmt, margin)),
+        ((t_fp8, t_scales), cast_tiles(padded.t(), fmt, margin)),
+    ]:
+        assert got[0].shape == want.shape and got[1].shape == want_scales.shape
+        assert torch.equal(got[0].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got[1], want_scales)
+    magnitudes = F.pad(values.float(), (0, -columns % 64, 0, -rows % 128)).abs()
+    tiles = magnitudes.view(magnitudes.shape[0] // 128, 128, magnitudes.shape[1] // 64, 64)
+    assert torch.equal(tile_amaxes.nan_to_num(-1.0), tiles.amax(dim=(1, 3)).nan_to_num(-1.0))
+    assert tile_amaxes.isnan().sum() == 1
+    compiled = torch.compile(lambda t: cast_tiles_transposed(t, fmt, margin, with_rows=False), fullgraph=True)
+    none, _, t_compiled, t_scales_compiled, amax = compiled(values)
+    assert none is None and torch.equal(t_compiled.view(torch.uint8), t_fp8.view(torch.uint8))
+    assert torch.equal(t_scales_compiled, t_scales) and amax.isnan()
 
 
 @pytest.mark.gpu
