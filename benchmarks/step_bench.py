@@ -72,7 +72,7 @@ _HF_FP8_RECIPES = {
     "hf-fp8-rowwise": hf_fp8.Fp8Recipe.named("rowwise"),
     "hf-fp8-rowwise-gw-hp": hf_fp8.Fp8Recipe.named("rowwise-gw-hp"),
     "hf-fp8-block": hf_fp8.Fp8Recipe.named("block"),
-    "hf-fp8-block-lmhead": hf_fp8.Fp8Recipe.named("block").replace(convert_lm_head=True),
+    "hf-fp8-block-lmhead": hf_fp8.Fp8Recipe.named("block-head"),
     "hf-fp8-block-head-backward": hf_fp8.Fp8Recipe.named("block").replace(convert_lm_head="backward"),
 }
 

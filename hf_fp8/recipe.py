@@ -306,6 +306,9 @@ RECIPES: dict[str, Fp8Recipe] = {
     "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),
     # DeepSeek-V3 blocks: 1x128 tiles for activations and gradients, 128x128 for weights.
     "block": Fp8Recipe(format="e4m3", scaling="block"),
+    # Block scaling at its fastest: the output head in block FP8 too (Llama 8b-4l / 1B shapes on one
+    # H200, hf_fp8.compile: 1.44x / 1.49x BF16 eager; SmolLM2-135M on Shakespeare: train loss +0.79%).
+    "block-head": Fp8Recipe(format="e4m3", scaling="block", convert_lm_head=True),
     # LoRA over frozen base weights stored in FP8 with a scale per 128x128 block: the layout of
     # fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8), which load into it without a BF16 copy.
     "lora-fp8-block": Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True),

@@ -225,6 +225,7 @@ def test_named_recipes_match_shipped_yaml_files():
             "rowwise",
             "rowwise-gw-hp",
             "block",
+            "block-head",
             "lora-fp8-block",
         }
     )
@@ -236,6 +237,7 @@ def test_named_recipes_match_shipped_yaml_files():
     assert Fp8Recipe.named("fsdp-fp8").fp8_all_gather
     assert Fp8Recipe.named("current-scaling").scaling == "current"
     assert Fp8Recipe.named("head-backward") == Fp8Recipe(convert_lm_head="backward")
+    assert Fp8Recipe.named("block-head") == Fp8Recipe.named("block").replace(convert_lm_head=True)
     with pytest.raises(ValueError, match="unknown recipe 'fast'"):
         Fp8Recipe.named("fast")
 
