@@ -19,8 +19,23 @@ __all__ = ["default_amax_group", "local_shard", "sync_amaxes"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (its shard when FSDP2 shards it), detached."""
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+    """This rank's part of ``t``, detached: its shard when FSDP2 shards it, its partition while DeepSpeed
+    ZeRO-3 holds it partitioned (the parameter itself is then empty), else ``t``."""
+    if isinstance(t, DTensor):
+        return t.to_local().detach()
+    if t.numel() == 0 and getattr(t, "ds_tensor", None) is not None:
+        return _zero3_partition(t)
+    return t.detach()
+
+
+def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
+    """The values of a ZeRO-3 parameter this rank holds: ``ds_tensor`` is a flat slice of the flattened
+    weight, one per rank of ``ds_process_group`` in rank order, and the last rank's ends in padding that
+    DeepSpeed leaves uninitialized (left out here, so it never enters an amax)."""
+    partition = param.ds_tensor
+    start = partition.ds_numel * dist.get_rank(group=param.ds_process_group)
+    held = max(0, min(partition.ds_numel, param.ds_numel - start))
+    return partition.detach().narrow(0, 0, held)
 
 
 def default_amax_group() -> dist.ProcessGroup | None:

@@ -1,0 +1,62 @@
+"""DeepSpeed ZeRO through the Trainer's ``deepspeed=`` argument with Fp8TrainerCallback, checked with real
+processes on the CPU (DeepSpeed's CPU accelerator, gloo, two ranks): ZeRO-3 with every weight partitioned
+and ZeRO-2, one FP8 state on every rank, the amax of each whole weight, an exact resume."""
+
+import json
+import shutil
+
+import pytest
+from launcher import DEEPSPEED_WORKER, ranks, run
+
+from hf_fp8.numerics.scaling import WEIGHT
+
+
+def train(folder, stage: int, steps: int, checkpoint=None) -> list[dict]:
+    """Both ranks' results (see dist_deepspeed_worker.py)."""
+    arguments = [str(folder), str(stage), str(steps)] + ([str(checkpoint)] if checkpoint else [])
+    run([([*command, *arguments], env) for command, env in ranks(2, DEEPSPEED_WORKER)], folder / "log")
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """Four steps under ZeRO-3, then the same run resumed from its checkpoint after step 2."""
+    full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
+    results = {"full": train(full, 3, 4)}
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    results["resumed"] = train(resumed, 3, 4, resumed / "checkpoint-2")
+    return results
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("zero2"), 2, 3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, zero2, zero3):
+    ranks_ = zero3["full"] if stage == 3 else zero2
+    assert [r["type"] for r in ranks_] == ["Fp8Linear"] * 2
+    assert [r["partitioned"] for r in ranks_] == [stage == 3] * 2
+    assert any(f"DeepSpeed ZeRO-{stage}" in note for note in ranks_[0]["notes"])
+    assert ranks_[0]["history"] == ranks_[1]["history"] and ranks_[0]["scale"] == ranks_[1]["scale"]
+    history = ranks_[0]["history"]
+    steps = ranks_[0]["fp8_steps"]
+    assert all(history[role][slot] > 0 for role in range(3) for slot in range(1, steps + 1))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_each_step_records_the_amax_of_the_whole_weight(stage, zero2, zero3):
+    """A step's end records the weight the optimizer step before it left: under ZeRO-3 each rank reads
+    its partition only (the parameter itself is empty then) and the all-reduce gives the whole
+    weight's; it once read the empty parameter and kept the first scale for ever."""
+    result = zero3["full"][0] if stage == 3 else zero2[0]
+    recorded = result["history"][WEIGHT][1 : result["fp8_steps"] + 1]  # newest first
+    assert recorded == list(reversed(result["weight_amaxes"][:-1]))
+
+
+def test_zero3_resumes_from_a_checkpoint_exactly(zero3):
+    full, resumed = zero3["full"][0], zero3["resumed"][0]
+    assert resumed["fp8_steps"] == full["fp8_steps"] == 4
+    assert resumed["history"] == full["history"] and resumed["scale"] == full["scale"]
+    assert resumed["losses"][2:] == full["losses"][2:]
