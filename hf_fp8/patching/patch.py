@@ -30,6 +30,7 @@ from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
+from hf_fp8.patching.zero import zero_refusal, zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 
@@ -81,6 +82,9 @@ def patch_model(
         report.backend = "none"
         return report
     # refuses before the model changes
+    stage = zero_stage(model)
+    if stage is not None and (refusal := zero_refusal(recipe, stage)) is not None:
+        raise ValueError(f"hf_fp8: {refusal}")
     device = _device_of(model)
     chosen_class, passed_over = (
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
@@ -90,6 +94,8 @@ def patch_model(
     if unmatched:
         report.notes.append(unmatched)
     report.notes += [f"backend auto chose {chosen.name} over {why}" for why in passed_over]
+    if stage is not None:
+        report.notes.append(f"DeepSpeed ZeRO-{stage}: the FP8 layers run inside its engine, amaxes reduced over all ranks")
     state = PatchState(recipe=recipe, backend=chosen, report=report, amax_group=amax_group, handles=handles)
     try:
         state.handles += chosen.attach(model, replaced, report)

@@ -1,0 +1,70 @@
+"""DeepSpeed ZeRO: the stage a run will shard with, as far as it shows before ``deepspeed.initialize``,
+and the recipe keys ZeRO cannot honour (refused by :func:`hf_fp8.patch_model` before the model changes).
+
+What trains under ZeRO 1, 2 and 3 needs nothing from here: the FP8 layers compute inside the forward and
+backward that ZeRO wraps (ZeRO-3 gathers a module's weights before it runs), the step's amaxes are
+reduced over the world group as under DDP, and at a step's end a ZeRO-3 weight's amax comes from each
+rank's partition (:func:`hf_fp8.numerics.amax_sync.local_shard`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from torch import nn
+
+from hf_fp8.recipe import Fp8Recipe
+
+__all__ = ["zero_refusal", "zero_stage"]
+
+
+def zero_stage(model: nn.Module | None = None) -> int | None:
+    """The ZeRO stage this process will train under, or ``None`` where no DeepSpeed shows: a model built
+    under ZeRO-3's ``zero.Init`` (its parameters carry DeepSpeed's ids), the config of transformers'
+    ``HfDeepSpeedConfig`` (``TrainingArguments(deepspeed=...)`` makes one), or ``accelerate launch``'s
+    DeepSpeed environment (its config file, else its ``zero_stage``)."""
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 3
+    config = _transformers_deepspeed_config()
+    if config is not None:
+        return _stage_of(config)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true"):
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none" and os.path.isfile(path):
+        with open(path) as f:
+            return _stage_of(json.load(f))
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's own default
+
+
+def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
+    """Why ``recipe`` cannot train under ZeRO stage ``stage``, with the fix; ``None`` when it can."""
+    where = f"under DeepSpeed ZeRO-{stage}"
+    if recipe.fp8_weights:
+        return (
+            f"fp8_weights cannot be honoured {where}: weights stored in FP8 are tensors of their own kind, "
+            "which DeepSpeed's engine can neither move to its device nor partition. Set fp8_weights: false "
+            "(LoRA then keeps the frozen base weights in BF16; its GEMMs still run in FP8), or train on "
+            "one GPU, under DDP or FSDP2"
+        )
+    if recipe.fp8_all_gather:
+        return (
+            f"fp8_all_gather cannot be honoured {where}: it is FSDP2's FP8 all-gather, and ZeRO gathers "
+            "weights in their own dtype. Set fp8_all_gather: false, or shard with FSDP2"
+        )
+    return None
+
+
+def _transformers_deepspeed_config() -> dict[str, Any] | None:
+    try:
+        from transformers.integrations.deepspeed import deepspeed_config
+    except ImportError:
+        return None
+    return deepspeed_config()
+
+
+def _stage_of(config: dict[str, Any]) -> int:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    return int(stage) if str(stage).isdigit() else 0
