@@ -1,0 +1,176 @@
+"""DeepSpeed ZeRO on N GPUs: BF16 against hf-fp8 under the same stage.
+
+    torchrun --nproc_per_node N benchmarks/zero_bench.py [--stage 3] [--shape 8b] [--layers L]
+        [--modes bf16,hf-fp8,hf-fp8-head-backward] [--compile]
+
+Every mode builds the same Llama-shaped model in BF16 (patched first for the hf-fp8 modes: native backend,
+the default recipe, or ``head-backward``), hands it to ``deepspeed.initialize`` with a ZeRO config of the
+stage asked for (bf16 on, so ZeRO keeps float32 master weights and optimizer state, partitioned; torch's
+fused AdamW as the client optimizer) and trains on 4 x 2048 tokens a rank. Rank 0 prints a JSON line per
+mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU, the last loss, and whether
+every rank ended with the same FP8 state (amax histories and scales, compared bit for bit across ranks).
+``--compile`` runs ``hf_fp8.compile`` on the engine's module (the BF16 row: the same call, block by block).
+Give one mode a process for numbers to compare: after ``engine.destroy()`` ZeRO-3 still holds part of
+the engine's memory (on two H200s the second mode of a run peaked 40 GiB higher than in a process of its
+own).
+
+``--device cpu --shape tiny`` runs it on DeepSpeed's CPU accelerator with gloo, as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from harness import SHAPES, build, fresh_start
+
+import hf_fp8
+from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
+
+RECIPES = {"hf-fp8": hf_fp8.Fp8Recipe(), "hf-fp8-head-backward": hf_fp8.Fp8Recipe.named("head-backward")}
+MODES = ("bf16", *RECIPES)
+
+
+def zero_config(args: argparse.Namespace) -> dict:
+    zero = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True}
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.device == "cuda"},
+        "steps_per_print": 10**9,
+    }
+
+
+def fp8_state_digest(model: torch.nn.Module) -> list[float]:
+    """Every FP8 layer's amax histories and scales, summed per layer in float64: equal lists on two ranks
+    mean equal states (a difference in any value shows in its layer's sum)."""
+    return [
+        float(buffer.double().sum())
+        for name, buffer in model.named_buffers()
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS
+    ]
+
+
+def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
+    import deepspeed
+
+    fresh_start()
+    model = build(args.shape, args.device, args.layers)
+    if mode != "bf16":
+        hf_fp8.patch_model(model, RECIPES[mode], backend="native")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(args))
+    if args.compile:
+        hf_fp8.compile(engine.module)
+    generator = torch.Generator(device=args.device).manual_seed(rank)
+    vocab = engine.module.config.vocab_size
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    def step() -> torch.Tensor:
+        ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    times, losses = [], []
+    started = time.perf_counter()
+    warmup_s = 0.0
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup:
+            warmup_s = time.perf_counter() - started
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, fp8_state_digest(engine.module))
+    seconds = statistics.median(times)
+    result = {
+        "mode": mode,
+        "stage": args.stage,
+        "shape": args.shape,
+        "layers": engine.module.config.num_hidden_layers,
+        "gpus": dist.get_world_size(),
+        "compiled": args.compile,
+        "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
+        "ms_per_step": seconds * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "warmup_s": warmup_s,
+        "loss": losses[-1],
+        "losses": losses,
+        "same_fp8_state_on_every_rank": all(d == digests[0] for d in digests),
+    }
+    engine.destroy()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layers", type=int, help="the shape's number of layers, changed")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="hf_fp8.compile the engine's module")
+    parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    results = []
+    for mode in modes:
+        result = run_mode(mode, args, rank)
+        results.append(result)
+        if rank == 0:
+            print(json.dumps(result), flush=True)
+    if rank == 0:
+        print_table(results)
+    dist.destroy_process_group()
+    return 0
+
+
+def print_table(results: list[dict]) -> None:
+    base = next((r for r in results if r["mode"] == "bf16"), None)
+    print(
+        "\n| mode | ZeRO | tokens/s per GPU | vs bf16 | peak GiB per GPU | warm-up s | loss "
+        "| same FP8 state |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        versus = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if base else "-"
+        print(
+            f"| {r['mode']} | {r['stage']} | {r['tokens_per_s_per_gpu']:,.0f} | {versus} | "
+            f"{r['peak_gib']:.1f} | {r['warmup_s']:.0f} | {r['loss']:.4f} | "
+            f"{r['same_fp8_state_on_every_rank']} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
