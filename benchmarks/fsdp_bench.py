@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from harness import SHAPES, build, export_trace, fresh_start, gpu_time_by_kind
+from harness import (
+    add_sharded_arguments,
+    build,
+    chosen_modes,
+    export_trace,
+    fresh_start,
+    gpu_time_by_kind,
+    time_steps,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -71,8 +77,6 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     generator = torch.Generator(device=args.device).manual_seed(rank)
     vocab = model.config.vocab_size
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
 
     def step() -> torch.Tensor:
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)
@@ -82,20 +86,7 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    times, losses = [], []
-    warmup_peak_gib = 0.0
-    for index in range(args.warmup + args.steps):
-        if cuda and index == args.warmup:  # the warm-up (first steps, compilation) apart
-            warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = step()
-        if cuda:
-            torch.cuda.synchronize()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    seconds = statistics.median(times)
+    timed = time_steps(step, args)
     profile = gpu_time_by_kind(step) if args.profile and cuda else {}  # every rank: the steps gather
     trace = export_trace(step, args.trace, f"{args.shape}-{mode}-rank{rank}") if args.trace and cuda else None
     return {
@@ -103,13 +94,13 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "shape": args.shape,
         "layers": model.config.num_hidden_layers,
         "gpus": dist.get_world_size(),
-        "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
-        "ms_per_step": seconds * 1e3,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        "warmup_peak_gib": warmup_peak_gib,
+        "tokens_per_s_per_gpu": args.batch * args.seq / timed["seconds"],
+        "ms_per_step": timed["seconds"] * 1e3,
+        "peak_gib": timed["peak_gib"],
+        "warmup_peak_gib": timed["warmup_peak_gib"],
         "all_gather_mib_per_step": all_gather_bytes(model) / 2**20,
-        "loss": losses[-1],
-        "losses": losses,
+        "loss": timed["losses"][-1],
+        "losses": timed["losses"],
         **({"gpu_ms": profile} if profile else {}),
         **({"trace": trace} if trace else {}),
     }
@@ -117,24 +108,13 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--layers", type=int, help="the shape's number of layers, changed (one GPU: fewer)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--compile", action="store_true", help="hf_fp8.compile after sharding")
+    add_sharded_arguments(parser, MODES)
     parser.add_argument("--profile", action="store_true", help="also a step's GPU time by kernel kind")
     parser.add_argument(
         "--trace", help="also write one step's CPU/GPU timeline (Chrome trace) here, per rank"
     )
-    parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
     args = parser.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    modes = chosen_modes(parser, args.modes, MODES)
 
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()

@@ -300,3 +300,48 @@ def print_table(
 def ratio(result: dict, base: dict | None, key: str) -> str:
     """``result[key]`` over the baseline's, or ``-`` without a baseline."""
     return f"{result[key] / base[key]:.2f}x" if base and base[key] else "-"
+
+
+def add_sharded_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...]) -> None:
+    """The options of the benchmarks that shard one model over several processes (FSDP2, ZeRO)."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--modes", default=",".join(modes))
+    parser.add_argument("--layers", type=int, help="the shape's number of layers, changed (one GPU: fewer)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compile", action="store_true", help="hf_fp8.compile the sharded model")
+    parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
+
+
+def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace) -> dict:
+    """Run ``step`` ``args.warmup`` times, then time ``args.steps`` steps (wall clock, synchronised):
+    the median step in seconds, every loss, the warm-up's seconds and peak memory (GiB), and the peak
+    of the timed steps alone."""
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    started = time.perf_counter()
+    warmup_s = warmup_peak_gib = 0.0
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup:  # the warm-up (first steps, compilation) apart
+            warmup_s = time.perf_counter() - started
+            if cuda:
+                warmup_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return {
+        "seconds": statistics.median(times),
+        "losses": losses,
+        "warmup_s": warmup_s,
+        "warmup_peak_gib": warmup_peak_gib,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+    }

@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from harness import SHAPES, build, fresh_start
+from harness import add_sharded_arguments, build, chosen_modes, fresh_start, time_steps
 
 import hf_fp8
 from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
@@ -71,9 +69,6 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         hf_fp8.compile(engine.module)
     generator = torch.Generator(device=args.device).manual_seed(rank)
     vocab = engine.module.config.vocab_size
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
 
     def step() -> torch.Tensor:
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=generator)
@@ -82,24 +77,9 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         engine.step()
         return loss
 
-    times, losses = [], []
-    started = time.perf_counter()
-    warmup_s = 0.0
-    for index in range(args.warmup + args.steps):
-        if index == args.warmup:
-            warmup_s = time.perf_counter() - started
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = step()
-        if cuda:
-            torch.cuda.synchronize()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+    timed = time_steps(step, args)
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, fp8_state_digest(engine.module))
-    seconds = statistics.median(times)
     result = {
         "mode": mode,
         "stage": args.stage,
@@ -107,12 +87,13 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "layers": engine.module.config.num_hidden_layers,
         "gpus": dist.get_world_size(),
         "compiled": args.compile,
-        "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
-        "ms_per_step": seconds * 1e3,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        "warmup_s": warmup_s,
-        "loss": losses[-1],
-        "losses": losses,
+        "tokens_per_s_per_gpu": args.batch * args.seq / timed["seconds"],
+        "ms_per_step": timed["seconds"] * 1e3,
+        "peak_gib": timed["peak_gib"],
+        "warmup_peak_gib": timed["warmup_peak_gib"],
+        "warmup_s": timed["warmup_s"],
+        "loss": timed["losses"][-1],
+        "losses": timed["losses"],
         "same_fp8_state_on_every_rank": all(d == digests[0] for d in digests),
     }
     engine.destroy()
@@ -122,20 +103,9 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--layers", type=int, help="the shape's number of layers, changed")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--compile", action="store_true", help="hf_fp8.compile the engine's module")
-    parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
+    add_sharded_arguments(parser, MODES)
     args = parser.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    modes = chosen_modes(parser, args.modes, MODES)
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed

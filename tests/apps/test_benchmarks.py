@@ -114,6 +114,18 @@ def test_fsdp_bench_runs_on_two_gloo_ranks():
     assert table["hf-fp8-ag"][5] == table["hf-fp8"][5], "the FP8 all-gather changes no number"
 
 
+def test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state():
+    out = bench(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "zero_bench.py",
+        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--batch", "2", "--seq", "32", "--stage", "3",
+        "--modes", "bf16,hf-fp8", *TIMING,
+    )  # fmt: skip
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["mode"], r["stage"], r["layers"]) for r in results] == [("bf16", 3, 2), ("hf-fp8", 3, 2)], out
+    assert results[1]["same_fp8_state_on_every_rank"]
+    assert set(table_rows(out)) == {"bf16", "hf-fp8"}, out
+
+
 def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
     out = bench("cpu_bench.py", "--tokens", "32", "--features", "64", "--threads", "1")
     gemms = [line.strip("|").split(" | ") for line in out.splitlines() if line.startswith("| E")]
