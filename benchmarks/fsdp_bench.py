@@ -21,7 +21,6 @@ step's time goes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -33,6 +32,7 @@ from harness import (
     export_trace,
     fresh_start,
     gpu_time_by_kind,
+    run_modes_on_ranks,
     time_steps,
 )
 from torch.distributed.fsdp import fully_shard
@@ -120,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    results = []
-    for mode in modes:
-        result = run_mode(mode, args, rank)
-        results.append(result)
-        if rank == 0:
-            print(json.dumps(result), flush=True)
+    results = run_modes_on_ranks(modes, run_mode, args, rank)
     if rank == 0:
         base = next((r for r in results if r["mode"] == "bf16"), None)
         print(

@@ -345,3 +345,14 @@ def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace) -> di
         "warmup_peak_gib": warmup_peak_gib,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
     }
+
+
+def run_modes_on_ranks(modes: list[str], run_mode, args: argparse.Namespace, rank: int) -> list[dict]:
+    """``run_mode(mode, args, rank)`` for each mode, on every rank of a sharded run; rank 0 prints each
+    result as a JSON line as it finishes."""
+    results = []
+    for mode in modes:
+        results.append(run_mode(mode, args, rank))
+        if rank == 0:
+            print(json.dumps(results[-1]), flush=True)
+    return results

@@ -20,13 +20,12 @@ own).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-from harness import add_sharded_arguments, build, chosen_modes, fresh_start, time_steps
+from harness import add_sharded_arguments, build, chosen_modes, fresh_start, run_modes_on_ranks, time_steps
 
 import hf_fp8
 from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
@@ -114,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    results = []
-    for mode in modes:
-        result = run_mode(mode, args, rank)
-        results.append(result)
-        if rank == 0:
-            print(json.dumps(result), flush=True)
+    results = run_modes_on_ranks(modes, run_mode, args, rank)
     if rank == 0:
         print_table(results)
     dist.destroy_process_group()
