@@ -31,10 +31,13 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
     """The values of a ZeRO-3 parameter this rank holds: ``ds_tensor`` is a flat slice of the flattened
     weight, one per rank of ``ds_process_group`` in rank order, and the last rank's ends in padding that
-    DeepSpeed leaves uninitialized (left out here, so it never enters an amax)."""
+    DeepSpeed leaves uninitialized (left out here, so it never enters an amax). A partition swapped out to
+    NVMe, or stored quantized (ZeRO++), gives nothing: the weight's amax is not recorded that step."""
     partition = param.ds_tensor
     start = partition.ds_numel * dist.get_rank(group=param.ds_process_group)
     held = max(0, min(partition.ds_numel, param.ds_numel - start))
+    if partition.numel() < held or hasattr(param, "ds_quant_scale") or not partition.is_floating_point():
+        return partition.new_empty(0)
     return partition.detach().narrow(0, 0, held)
 
 

@@ -96,7 +96,7 @@ def patch_model(
     report.notes += [f"backend auto chose {chosen.name} over {why}" for why in passed_over]
     if stage is not None:
         report.notes.append(
-            f"DeepSpeed ZeRO-{stage}: the FP8 layers run inside its engine, amaxes reduced over all ranks"
+            f"DeepSpeed (ZeRO-{stage}): the FP8 layers run inside its engine, amaxes reduced over all ranks"
         )
     state = PatchState(recipe=recipe, backend=chosen, report=report, amax_group=amax_group, handles=handles)
     try:

@@ -30,24 +30,27 @@ def zero_stage(model: nn.Module | None = None) -> int | None:
     config = _transformers_deepspeed_config()
     if config is not None:
         return _stage_of(config)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in ("1", "true"):
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":  # as accelerate reads it
         return None
+    launched = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's own default
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path != "none" and os.path.isfile(path):
         with open(path) as f:
-            return _stage_of(json.load(f))
-    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))  # accelerate's own default
+            return _stage_of(json.load(f), auto=launched)
+    return launched
 
 
 def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
     """Why ``recipe`` cannot train under ZeRO stage ``stage``, with the fix; ``None`` when it can."""
-    where = f"under DeepSpeed ZeRO-{stage}"
+    where = f"under DeepSpeed ZeRO-{stage}" if stage else "under DeepSpeed"
     if recipe.fp8_weights:
         return (
-            f"fp8_weights cannot be honoured {where}: weights stored in FP8 are tensors of their own kind, "
-            "which DeepSpeed's engine can neither move to its device nor partition. Set fp8_weights: false "
-            "(LoRA then keeps the frozen base weights in BF16; its GEMMs still run in FP8), or train on "
-            "one GPU, under DDP or FSDP2"
+            f"fp8_weights cannot be honoured {where}: a weight stored in FP8 is a tensor subclass, which "
+            "torch moves to a device by swapping the parameter, and DeepSpeed's engine holds weak "
+            "references to the parameters that forbid the swap (deepspeed.initialize fails with "
+            '"Couldn\'t swap Fp8Linear.weight"; ZeRO-3 would also have to partition it). Set fp8_weights: '
+            "false (LoRA then keeps the frozen base weights in BF16; its GEMMs still run in FP8), or train "
+            "on one GPU, under DDP or FSDP2"
         )
     if recipe.fp8_all_gather:
         return (
@@ -58,6 +61,7 @@ def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
 
 
 def _transformers_deepspeed_config() -> dict[str, Any] | None:
+    """The config of the live ``HfDeepSpeedConfig`` (``None`` without one, or without transformers)."""
     try:
         from transformers.integrations.deepspeed import deepspeed_config
     except ImportError:
@@ -65,6 +69,8 @@ def _transformers_deepspeed_config() -> dict[str, Any] | None:
     return deepspeed_config()
 
 
-def _stage_of(config: dict[str, Any]) -> int:
+def _stage_of(config: dict[str, Any], auto: int = 2) -> int:
+    """A DeepSpeed config's ZeRO stage: 0 without ZeRO, ``auto`` where it says "auto" (accelerate fills
+    it in from its launch arguments, 2 by default)."""
     stage = config.get("zero_optimization", {}).get("stage", 0)
-    return int(stage) if str(stage).isdigit() else 0
+    return int(stage) if str(stage).isdigit() else auto

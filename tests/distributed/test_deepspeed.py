@@ -34,11 +34,11 @@ def zero2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, zero2, zero3):
-    ranks_ = zero3["full"] if stage == 3 else zero2
+def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, request):
+    ranks_ = request.getfixturevalue("zero3")["full"] if stage == 3 else request.getfixturevalue("zero2")
     assert [r["type"] for r in ranks_] == ["Fp8Linear"] * 2
     assert [r["partitioned"] for r in ranks_] == [stage == 3] * 2
-    assert any(f"DeepSpeed ZeRO-{stage}" in note for note in ranks_[0]["notes"])
+    assert any(f"DeepSpeed (ZeRO-{stage})" in note for note in ranks_[0]["notes"])
     assert ranks_[0]["history"] == ranks_[1]["history"] and ranks_[0]["scale"] == ranks_[1]["scale"]
     history = ranks_[0]["history"]
     steps = ranks_[0]["fp8_steps"]
@@ -46,11 +46,13 @@ def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, zero2, zero3
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_each_step_records_the_amax_of_the_whole_weight(stage, zero2, zero3):
+def test_each_step_records_the_amax_of_the_whole_weight(stage, request):
     """A step's end records the weight the optimizer step before it left: under ZeRO-3 each rank reads
     its partition only (the parameter itself is empty then) and the all-reduce gives the whole
     weight's; it once read the empty parameter and kept the first scale for ever."""
-    result = zero3["full"][0] if stage == 3 else zero2[0]
+    result = (
+        request.getfixturevalue("zero3")["full"][0] if stage == 3 else request.getfixturevalue("zero2")[0]
+    )
     recorded = result["history"][WEIGHT][1 : result["fp8_steps"] + 1]  # newest first
     assert recorded == list(reversed(result["weight_amaxes"][:-1]))
 

@@ -7,6 +7,7 @@ import pytest
 import tiny_models as tm
 import torch
 from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from hf_fp8 import Fp8Linear, is_patched, patch_model
 from hf_fp8.patching.zero import zero_stage
@@ -14,8 +15,12 @@ from hf_fp8.patching.zero import zero_stage
 
 @pytest.fixture
 def no_deepspeed(monkeypatch):
+    """No DeepSpeed in the environment, and none left behind: a live HfDeepSpeedConfig would make every
+    later patch_model in this process see ZeRO."""
     for name in ("USE_DEEPSPEED", "DEEPSPEED_ZERO_STAGE", "DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(f"ACCELERATE_{name}", raising=False)
+    yield
+    unset_hf_deepspeed_config()
 
 
 def test_the_stage_comes_from_accelerate_launch_or_transformers(no_deepspeed, monkeypatch, tmp_path):
@@ -28,10 +33,19 @@ def test_the_stage_comes_from_accelerate_launch_or_transformers(no_deepspeed, mo
     config.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
     assert zero_stage() == 1  # the config file wins over the flag
+    config.write_text(json.dumps({"zero_optimization": {"stage": "auto"}}))
+    assert zero_stage() == 3  # accelerate fills "auto" in from its launch arguments
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "1")
+    assert zero_stage() is None  # accelerate takes "true" only
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
-    live = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 2})
+    live = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}})
     assert zero_stage() == 3  # what TrainingArguments(deepspeed=...) leaves behind
     del live
+    model = tm.build("llama")
+    unset_hf_deepspeed_config()
+    assert zero_stage(model) is None
+    model.model.layers[0].mlp.up_proj.weight.ds_id = 0  # what zero.Init gives every parameter
+    assert zero_stage(model) == 3
 
 
 @pytest.mark.parametrize(
@@ -59,4 +73,4 @@ def test_what_zero_trains_is_patched_and_the_report_names_the_stage(no_deepspeed
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     report = patch_model(tm.build("llama"), "head-backward")
     assert report.converted
-    assert "DeepSpeed ZeRO-2: the FP8 layers run inside its engine" in " ".join(report.notes)
+    assert "DeepSpeed (ZeRO-2): the FP8 layers run inside its engine" in " ".join(report.notes)
