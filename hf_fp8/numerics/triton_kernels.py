@@ -1,5 +1,5 @@
 """Triton kernels: behind :mod:`hf_fp8.numerics.cuda_copies` a saturating FP8 cast and a one-byte
-transpose, one pass each; behind :func:`hf_fp8.numerics.blockwise.cast_tiles_both` the block recipe's
+transpose, one pass each; behind :func:`hf_fp8.numerics.blockwise.cast_tiles_transposed` the block recipe's
 backward casts (a tensor in 1x128 tiles of its rows and of its columns, one read). Imported only for
 CUDA tensors where Triton is installed (it comes with PyTorch's CUDA builds on Linux, not with the CPU
 build).
