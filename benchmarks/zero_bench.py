@@ -8,7 +8,7 @@ the default recipe, or ``head-backward``), hands it to ``deepspeed.initialize`` 
 stage asked for (bf16 on, so ZeRO keeps float32 master weights and optimizer state, partitioned; torch's
 fused AdamW as the client optimizer) and trains on 4 x 2048 tokens a rank. Rank 0 prints a JSON line per
 mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU, the last loss, and whether
-every rank ended with the same FP8 state (amax histories and scales, compared bit for bit across ranks).
+every rank ended with the same FP8 state (a hash of the amax histories, scales and step counts).
 ``--compile`` runs ``hf_fp8.compile`` on the engine's module (the BF16 row: the same call, block by block).
 Give one mode a process for numbers to compare: after ``engine.destroy()`` ZeRO-3 still holds part of
 the engine's memory (on two H200s the second mode of a run peaked 40 GiB higher than in a process of its
@@ -20,6 +20,7 @@ own).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 
@@ -45,14 +46,14 @@ def zero_config(args: argparse.Namespace) -> dict:
     }
 
 
-def fp8_state_digest(model: torch.nn.Module) -> list[float]:
-    """Every FP8 layer's amax histories and scales, summed per layer in float64: equal lists on two ranks
-    mean equal states (a difference in any value shows in its layer's sum)."""
-    return [
-        float(buffer.double().sum())
-        for name, buffer in model.named_buffers()
-        if name.rsplit(".", 1)[-1] in STATE_BUFFERS
-    ]
+def fp8_state_digest(model: torch.nn.Module) -> str:
+    """A hash of the bytes of every FP8 layer's amax histories, scales and step counts: equal on two
+    ranks when their FP8 states are equal bit for bit."""
+    digest = hashlib.sha256()
+    for name, buffer in model.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            digest.update(buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
@@ -109,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed
 
+    if args.device == "cuda":  # before the process group, so NCCL binds each rank to its own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     results = run_modes_on_ranks(modes, run_mode, args, rank)
     if rank == 0:
         print_table(results)
