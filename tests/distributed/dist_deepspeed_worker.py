@@ -3,7 +3,8 @@ tests/distributed/test_deepspeed.py.
 
     dist_deepspeed_worker.py OUT_DIR STAGE STEPS [CHECKPOINT]
 
-Trains a tiny Llama for STEPS steps with a checkpoint every two, or resumes from CHECKPOINT. Writes
+Trains a tiny Llama for STEPS steps with a checkpoint every two, or resumes from CHECKPOINT, under
+examples/deepspeed_zero<STAGE>.json. Writes
 OUT_DIR/rank<R>.json: the FP8 state of one layer at the end, the losses, and before the first step and
 after each the amax of that layer's whole weight (gathered from the ZeRO-3 partitions): the weight amax
 the next step's end must record.
@@ -12,6 +13,7 @@ the next step's end must record.
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported (by the Trainer)
 
@@ -24,6 +26,7 @@ import tiny_models as tm
 from hf_fp8 import Fp8TrainerCallback
 
 LAYER = "model.layers.1.mlp.down_proj"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 class WeightAmaxes(TrainerCallback):
@@ -45,9 +48,10 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
     rank = int(os.environ["RANK"])
     batches = tm.batch_for("llama", 32, batch_size=32, seed=0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in batches["input_ids"]]
-    zero = {"stage": int(stage)}
-    if zero["stage"] == 3:
-        zero["stage3_param_persistence_threshold"] = 0  # every weight partitioned, the small ones too
+    with open(EXAMPLES / f"deepspeed_zero{stage}.json") as f:
+        config = json.load(f)  # the config the README points users to, "auto" values and all
+    if config["zero_optimization"]["stage"] == 3:  # every weight partitioned, the tiny ones too
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=2,
@@ -55,11 +59,7 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
         learning_rate=1e-3,
         use_cpu=True,
         ddp_backend="gloo",
-        deepspeed={
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "zero_optimization": zero,
-        },
+        deepspeed=config,
         report_to="none",
         save_strategy="steps",
         save_steps=2,
