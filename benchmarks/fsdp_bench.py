@@ -32,6 +32,8 @@ from harness import (
     export_trace,
     fresh_start,
     gpu_time_by_kind,
+    print_table,
+    ratio,
     run_modes_on_ranks,
     time_steps,
 )
@@ -48,6 +50,14 @@ RECIPES = {
     "hf-fp8-ag-head-backward": hf_fp8.Fp8Recipe.named("head-backward").replace(fp8_all_gather=True),
 }
 MODES = ("bf16", *RECIPES)
+TITLES = [
+    "tokens/s per GPU",
+    "vs bf16",
+    "peak GiB per GPU",
+    "warm-up peak GiB",
+    "all-gather MiB per step",
+    "loss",
+]
 GATHERS_PER_STEP = 2  # forward, and backward after reshard_after_forward
 
 
@@ -106,6 +116,18 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     }
 
 
+def row_cells(result: dict, base: dict | None) -> list[str]:
+    """A mode's cells after its name in the results table."""
+    return [
+        f"{result['tokens_per_s_per_gpu']:,.0f}",
+        ratio(result, base, "tokens_per_s_per_gpu"),
+        f"{result['peak_gib']:.1f}",
+        f"{result['warmup_peak_gib']:.1f}",
+        f"{result['all_gather_mib_per_step']:,.2f}",
+        f"{result['loss']:.4f}",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sharded_arguments(parser, MODES)
@@ -122,18 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     results = run_modes_on_ranks(modes, run_mode, args, rank)
     if rank == 0:
-        base = next((r for r in results if r["mode"] == "bf16"), None)
-        print(
-            "\n| mode | tokens/s per GPU | vs bf16 | peak GiB per GPU | warm-up peak GiB "
-            "| all-gather MiB per step | loss |"
-        )
-        print("|---|---|---|---|---|---|---|")
-        for r in results:
-            versus = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if base else "-"
-            print(
-                f"| {r['mode']} | {r['tokens_per_s_per_gpu']:,.0f} | {versus} | {r['peak_gib']:.1f} | "
-                f"{r['warmup_peak_gib']:.1f} | {r['all_gather_mib_per_step']:,.2f} | {r['loss']:.4f} |"
-            )
+        print_table(results, "bf16", TITLES, row_cells)
     dist.destroy_process_group()
     return 0
 

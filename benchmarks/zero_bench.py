@@ -26,13 +26,23 @@ import sys
 
 import torch
 import torch.distributed as dist
-from harness import add_sharded_arguments, build, chosen_modes, fresh_start, run_modes_on_ranks, time_steps
+from harness import (
+    add_sharded_arguments,
+    build,
+    chosen_modes,
+    fresh_start,
+    print_table,
+    ratio,
+    run_modes_on_ranks,
+    time_steps,
+)
 
 import hf_fp8
 from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
 
 RECIPES = {"hf-fp8": hf_fp8.Fp8Recipe(), "hf-fp8-head-backward": hf_fp8.Fp8Recipe.named("head-backward")}
 MODES = ("bf16", *RECIPES)
+TITLES = ["ZeRO", "tokens/s per GPU", "vs bf16", "peak GiB per GPU", "warm-up s", "loss", "same FP8 state"]
 
 
 def zero_config(args: argparse.Namespace) -> dict:
@@ -116,25 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     results = run_modes_on_ranks(modes, run_mode, args, rank)
     if rank == 0:
-        print_table(results)
+        print_table(results, "bf16", TITLES, row_cells)
     dist.destroy_process_group()
     return 0
 
 
-def print_table(results: list[dict]) -> None:
-    base = next((r for r in results if r["mode"] == "bf16"), None)
-    print(
-        "\n| mode | ZeRO | tokens/s per GPU | vs bf16 | peak GiB per GPU | warm-up s | loss "
-        "| same FP8 state |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        versus = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x" if base else "-"
-        print(
-            f"| {r['mode']} | {r['stage']} | {r['tokens_per_s_per_gpu']:,.0f} | {versus} | "
-            f"{r['peak_gib']:.1f} | {r['warmup_s']:.0f} | {r['loss']:.4f} | "
-            f"{r['same_fp8_state_on_every_rank']} |"
-        )
+def row_cells(result: dict, base: dict | None) -> list[str]:
+    """A mode's cells after its name in the results table."""
+    return [
+        str(result["stage"]),
+        f"{result['tokens_per_s_per_gpu']:,.0f}",
+        ratio(result, base, "tokens_per_s_per_gpu"),
+        f"{result['peak_gib']:.1f}",
+        f"{result['warmup_s']:.0f}",
+        f"{result['loss']:.4f}",
+        str(result["same_fp8_state_on_every_rank"]),
+    ]
 
 
 if __name__ == "__main__":
