@@ -118,7 +118,9 @@ def _fused_tile_casts(
 
 
 @_fused_tile_casts.register_fake
-def _(t, fp8_dtype, fp8_max, target, with_rows):
+def _(
+    t: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, target: float, with_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from hf_fp8.numerics import triton_kernels  # traced only where the op runs
 
     return triton_kernels.cast_tiles_both_outputs(t, fp8_dtype, with_rows)
@@ -172,6 +174,7 @@ def block_kernels_available(device: torch.device) -> bool:
 
 @torch.compiler.assume_constant_result
 def _fused_casts_available(device: torch.device) -> bool:
+    """Whether :func:`cast_tiles_transposed` takes its Triton kernel on ``device`` (Hopper, Triton)."""
     return block_kernels_available(device) and triton_installed()
 
 
