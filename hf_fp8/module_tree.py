@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 from torch import nn
 
-__all__ = ["get_path", "replace_modules", "set_path", "walk_children"]
+__all__ = ["get_path", "repeated_blocks", "replace_modules", "set_path", "walk_children"]
 
 
 def walk_children(model: nn.Module, prefix: str = "") -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
@@ -51,3 +51,18 @@ def replace_modules(model: nn.Module, replacement: Callable[[nn.Module], nn.Modu
                 continue
             done[id(child)] = new
         setattr(parent, child_name, done[id(child)])
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules of a class HF names in ``_no_split_modules`` (its decoder
+    layers), else the members of the longest ``nn.ModuleList`` whose members share one class."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [
+        list(m)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+    ]
+    return max(lists, key=len, default=[])

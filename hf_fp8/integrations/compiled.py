@@ -34,9 +34,11 @@ from torch import nn
 from hf_fp8.checks import check_model
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
+from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.patching.patch_state import get_state
+from hf_fp8.patching.zero import gather_blocks_whole
 
-__all__ = ["compile_model", "repeated_blocks"]
+__all__ = ["compile_model"]
 
 _COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again changes nothing
 
@@ -50,7 +52,9 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     Inductor and no ``mode``, its ``options`` get combo kernels on unless they say otherwise. Call it
     after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
-    parameters and its ``state_dict`` keys.
+    parameters and its ``state_dict`` keys. Under DeepSpeed ZeRO-3, call it before
+    ``deepspeed.initialize``: it makes each block a ZeRO-3 leaf module, gathered whole (see
+    :mod:`hf_fp8.patching.zero`).
     """
     check_model(model, "hf_fp8.compile")
     options = _with_inductor_defaults(options)
@@ -69,6 +73,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             "backend='native' for the compiled fast path"
         )
     _announce_emulation(model)
+    gather_blocks_whole(model)  # under ZeRO-3 (the FP8 report says so where patch_model did it)
     # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
     hf_model = next(
         (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None
@@ -161,21 +166,6 @@ def _announce_emulation(model: nn.Module) -> None:
                 "and no speed-up (slower than BF16)",
                 stacklevel=3,
             )
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: modules of a class HF names in ``_no_split_modules`` (its decoder
-    layers), else the members of the longest ``nn.ModuleList`` whose members share one class."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    lists = [
-        list(m)
-        for m in model.modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
-    ]
-    return max(lists, key=len, default=[])
 
 
 _EAGER_CALLS = "_hf_fp8_eager_calls"  # a stack: forwards may nest (PEFT, a model inside a model)

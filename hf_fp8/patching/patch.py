@@ -30,7 +30,7 @@ from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
-from hf_fp8.patching.zero import zero_refusal, zero_stage
+from hf_fp8.patching.zero import gather_blocks_whole, zero_refusal, zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 
@@ -106,6 +106,8 @@ def patch_model(
         raise
     set_state(model, state)
     state.handles += forward_hooks.install(model)
+    if stage == 3 and (gathered := gather_blocks_whole(model)) is not None:
+        report.notes.append(gathered)
     return report
 
 

@@ -72,9 +72,12 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
     trainer = Trainer(model=tm.build("llama"), args=args, train_dataset=rows, callbacks=[fp8, amaxes])
     trainer.train(resume_from_checkpoint=checkpoint or None)
     layer = trainer.model.get_submodule(LAYER)
+    block = trainer.model.get_submodule(LAYER.rsplit(".", 2)[0])
     result = {
         "type": type(layer).__name__,
         "partitioned": hasattr(layer.weight, "ds_id"),
+        "block_leaf": deepspeed.utils.z3_leaf_module(block),
+        "hooked": [hasattr(block, "ds_id"), hasattr(layer, "ds_id")],  # ZeRO-3's hooks number the modules
         "notes": fp8.report.notes,
         "fp8_steps": layer.fp8_steps.item(),
         "history": layer.amax_history[:, : int(steps) + 2].tolist(),

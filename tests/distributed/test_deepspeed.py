@@ -18,24 +18,28 @@ def train(folder, stage: int, steps: int, checkpoint=None) -> list[dict]:
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def zero3(tmp_path_factory):
-    """Four steps under ZeRO-3, then the same run resumed from its checkpoint after step 2."""
+def full_and_resumed(tmp_path_factory, stage: int) -> dict[str, list[dict]]:
+    """Four steps under ZeRO ``stage``, then the same run resumed from its checkpoint after step 2."""
     full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
-    results = {"full": train(full, 3, 4)}
+    results = {"full": train(full, stage, 4)}
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    results["resumed"] = train(resumed, 3, 4, resumed / "checkpoint-2")
+    results["resumed"] = train(resumed, stage, 4, resumed / "checkpoint-2")
     return results
 
 
 @pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    return full_and_resumed(tmp_path_factory, 3)
+
+
+@pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("zero2"), 2, 3)
+    return full_and_resumed(tmp_path_factory, 2)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, request):
-    ranks_ = request.getfixturevalue("zero3")["full"] if stage == 3 else request.getfixturevalue("zero2")
+    ranks_ = request.getfixturevalue(f"zero{stage}")["full"]
     assert [r["type"] for r in ranks_] == ["Fp8Linear"] * 2
     assert [r["partitioned"] for r in ranks_] == [stage == 3] * 2
     assert any(f"DeepSpeed (ZeRO-{stage})" in note for note in ranks_[0]["notes"])
@@ -50,15 +54,23 @@ def test_each_step_records_the_amax_of_the_whole_weight(stage, request):
     """A step's end records the weight the optimizer step before it left: under ZeRO-3 each rank reads
     its partition only (the parameter itself is empty then) and the all-reduce gives the whole
     weight's; it once read the empty parameter and kept the first scale for ever."""
-    result = (
-        request.getfixturevalue("zero3")["full"][0] if stage == 3 else request.getfixturevalue("zero2")[0]
-    )
+    result = request.getfixturevalue(f"zero{stage}")["full"][0]
     recorded = result["history"][WEIGHT][1 : result["fp8_steps"] + 1]  # newest first
     assert recorded == list(reversed(result["weight_amaxes"][:-1]))
 
 
-def test_zero3_resumes_from_a_checkpoint_exactly(zero3):
-    full, resumed = zero3["full"][0], zero3["resumed"][0]
+def test_zero3_gathers_each_decoder_block_whole(zero3):
+    """patch_model (the callback's, before deepspeed.initialize) made each block a ZeRO-3 leaf module:
+    DeepSpeed hooked the block and nothing inside it, so a compiled block stays one graph."""
+    for rank in zero3["full"]:
+        assert rank["block_leaf"] and rank["hooked"] == [True, False]
+        assert any("gathers its weights as one unit" in note for note in rank["notes"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_resumes_from_a_checkpoint_exactly(stage, request):
+    results = request.getfixturevalue(f"zero{stage}")
+    full, resumed = results["full"][0], results["resumed"][0]
     assert resumed["fp8_steps"] == full["fp8_steps"] == 4
     assert resumed["history"] == full["history"] and resumed["scale"] == full["scale"]
     assert resumed["losses"][2:] == full["losses"][2:]

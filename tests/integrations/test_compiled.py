@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_fp8
 from hf_fp8 import Fp8Linear, Fp8Recipe
-from hf_fp8.integrations.compiled import repeated_blocks
+from hf_fp8.module_tree import repeated_blocks
 
 
 def llama(layers: int = 4) -> torch.nn.Module:

@@ -9,6 +9,7 @@ import torch
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+import hf_fp8
 from hf_fp8 import Fp8Linear, is_patched, patch_model
 from hf_fp8.patching.zero import zero_stage
 
@@ -74,3 +75,41 @@ def test_what_zero_trains_is_patched_and_the_report_names_the_stage(no_deepspeed
     report = patch_model(tm.build("llama"), "head-backward")
     assert report.converted
     assert "DeepSpeed (ZeRO-2): the FP8 layers run inside its engine" in " ".join(report.notes)
+
+
+def test_under_zero3_each_decoder_block_is_gathered_whole(no_deepspeed, monkeypatch):
+    """ZeRO-3 would gather every linear layer's weight on its own, a graph break each inside a compiled
+    block; patch_model makes each decoder block one of DeepSpeed's leaf modules instead."""
+    from deepspeed.utils import z3_leaf_module
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    model = tm.build("llama")
+    report = patch_model(model, "head-backward")
+    leaves = [name for name, m in model.named_modules() if z3_leaf_module(m)]
+    assert leaves == [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    assert any("each LlamaDecoderLayer gathers its weights as one unit" in note for note in report.notes)
+
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # ZeRO-2 never gathers weights
+    model = tm.build("llama")
+    report = patch_model(model, "head-backward")
+    assert not any(z3_leaf_module(m) for m in model.modules())
+    assert not any("one unit" in note for note in report.notes)
+
+
+def test_compile_gathers_blocks_whole_under_zero3_or_says_it_comes_too_late(no_deepspeed, monkeypatch):
+    """hf_fp8.compile does it too (a BF16 model, a model patched before ZeRO showed); after
+    deepspeed.initialize has hooked the layers inside the blocks it is too late, and it warns."""
+    from deepspeed.utils import z3_leaf_module
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    model = hf_fp8.compile(tm.build("llama"))
+    assert all(z3_leaf_module(block) for block in model.model.layers)
+
+    model = tm.build("llama")
+    model.model.layers[1].mlp.ds_id = 7  # what deepspeed.initialize's ZeRO-3 hooks give every module
+    too_late = "deepspeed.initialize has already hooked .* before deepspeed.initialize"
+    with pytest.warns(UserWarning, match=too_late):
+        hf_fp8.compile(model)
+    assert not any(z3_leaf_module(m) for m in model.modules())
