@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO on N GPUs: BF16 against hf-fp8 under the same stage.
 
     torchrun --nproc_per_node N benchmarks/zero_bench.py [--stage 3] [--shape 8b] [--layers L]
-        [--modes bf16,hf-fp8,hf-fp8-head-backward] [--compile]
+        [--modes bf16,hf-fp8,hf-fp8-head-backward] [--compile] [--resume-check K]
 
 Every mode builds the same Llama-shaped model in BF16 (patched first for the hf-fp8 modes: native backend,
 the default recipe, or ``head-backward``), hands it to ``deepspeed.initialize`` with a ZeRO config of the
@@ -9,10 +9,13 @@ stage asked for (bf16 on, so ZeRO keeps float32 master weights and optimizer sta
 fused AdamW as the client optimizer) and trains on 4 x 2048 tokens a rank. Rank 0 prints a JSON line per
 mode and one table: tokens/s per GPU, the ratio to BF16, peak memory per GPU, the last loss, and whether
 every rank ended with the same FP8 state (a hash of the amax histories, scales and step counts).
-``--compile`` runs ``hf_fp8.compile`` on the engine's module (the BF16 row: the same call, block by block).
+The ZeRO config is announced to transformers first (``HfDeepSpeedConfig``, as the Trainer's
+``deepspeed=`` does), so that ``patch_model`` and ``hf_fp8.compile`` see the stage.
+``--compile`` runs ``hf_fp8.compile`` on the model before ``deepspeed.initialize`` (the BF16 row too).
 Give one mode a process for numbers to compare: after ``engine.destroy()`` ZeRO-3 still holds part of
 the engine's memory (on two H200s the second mode of a run peaked 40 GiB higher than in a process of its
-own).
+own). ``--resume-check K`` then saves a checkpoint, trains K steps, loads it and trains the same K steps
+again: whether the losses and the FP8 state came out the same.
 
 ``--device cpu --shape tiny`` runs it on DeepSpeed's CPU accelerator with gloo, as a smoke test.
 """
@@ -22,7 +25,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -68,15 +73,20 @@ def fp8_state_digest(model: torch.nn.Module) -> str:
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
 
     fresh_start()
+    config = zero_config(args)
+    # As TrainingArguments(deepspeed=...) does: the config announced before the model is patched, so that
+    # patch_model and hf_fp8.compile see the ZeRO stage (under ZeRO-3 they gather each block whole).
+    announced = HfDeepSpeedConfig(config)
     model = build(args.shape, args.device, args.layers)
     if mode != "bf16":
         hf_fp8.patch_model(model, RECIPES[mode], backend="native")
+    if args.compile:  # before deepspeed.initialize hooks the model
+        hf_fp8.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(args))
-    if args.compile:
-        hf_fp8.compile(engine.module)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     generator = torch.Generator(device=args.device).manual_seed(rank)
     vocab = engine.module.config.vocab_size
 
@@ -88,6 +98,7 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         return loss
 
     timed = time_steps(step, args)
+    resumed = resume_check(engine, step, generator, args) if args.resume_check else {}
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, fp8_state_digest(engine.module))
     result = {
@@ -105,15 +116,49 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "loss": timed["losses"][-1],
         "losses": timed["losses"],
         "same_fp8_state_on_every_rank": all(d == digests[0] for d in digests),
+        **resumed,
     }
     engine.destroy()
+    del announced
     return result
+
+
+def resume_check(engine, step, generator: torch.Generator, args: argparse.Namespace) -> dict:
+    """Save a checkpoint (DeepSpeed's: weights, optimizer state; hf-fp8's FP8 state), train
+    ``args.resume_check`` steps, load the checkpoint and train the same steps on the same batches again.
+    Equal losses and FP8 state both times: the checkpoint resumes the run exactly."""
+    folder = os.path.join(args.checkpoint_dir, "zero_bench_checkpoint")
+    fp8 = hf_fp8.is_patched(engine.module)
+    engine.save_checkpoint(folder, tag="resume")
+    if fp8 and dist.get_rank() == 0:
+        hf_fp8.save_fp8_state(engine.module, folder)
+    dist.barrier()
+    batches = generator.get_state()
+    runs = []
+    for _ in range(2):
+        losses = [step().item() for _ in range(args.resume_check)]
+        runs.append((losses, fp8_state_digest(engine.module)))
+        engine.load_checkpoint(folder, tag="resume")
+        if fp8:
+            hf_fp8.load_fp8_state(engine.module, folder)
+        generator.set_state(batches)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "resume_losses": [run[0] for run in runs],
+        "resumes_exactly": runs[0] == runs[1],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
     add_sharded_arguments(parser, MODES)
+    parser.add_argument(
+        "--resume-check", type=int, default=0, metavar="K", help="then train K steps twice from a checkpoint"
+    )
+    parser.add_argument("--checkpoint-dir", default=tempfile.gettempdir(), help="where --resume-check saves")
     args = parser.parse_args(argv)
     modes = chosen_modes(parser, args.modes, MODES)
     if args.device == "cpu":
