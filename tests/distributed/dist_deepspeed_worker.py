@@ -4,7 +4,7 @@ tests/distributed/test_deepspeed.py.
     dist_deepspeed_worker.py OUT_DIR STAGE STEPS [CHECKPOINT]
 
 Trains a tiny Llama for STEPS steps with a checkpoint every two, or resumes from CHECKPOINT, under
-examples/deepspeed_zero<STAGE>.json. Writes
+examples/deepspeed_zero<STAGE>.json (ZeRO-1: the ZeRO-2 config at stage 1). Writes
 OUT_DIR/rank<R>.json: the FP8 state of one layer at the end, the losses, and before the first step and
 after each the amax of that layer's whole weight (gathered from the ZeRO-3 partitions): the weight amax
 the next step's end must record.
@@ -48,8 +48,9 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
     rank = int(os.environ["RANK"])
     batches = tm.batch_for("llama", 32, batch_size=32, seed=0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in batches["input_ids"]]
-    with open(EXAMPLES / f"deepspeed_zero{stage}.json") as f:
+    with open(EXAMPLES / f"deepspeed_zero{max(int(stage), 2)}.json") as f:
         config = json.load(f)  # the config the README points users to, "auto" values and all
+    config["zero_optimization"]["stage"] = int(stage)
     if config["zero_optimization"]["stage"] == 3:  # every weight partitioned, the tiny ones too
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     args = TrainingArguments(

@@ -21,6 +21,7 @@ FSDP_WORKER = HERE / "dist_fsdp_worker.py"
 TRAINER_WORKER = HERE / "dist_trainer_worker.py"
 TRAINER_FSDP_WORKER = HERE / "dist_trainer_fsdp_worker.py"
 DEEPSPEED_WORKER = HERE / "dist_deepspeed_worker.py"
+ACCELERATE_DEEPSPEED_WORKER = HERE / "dist_accelerate_deepspeed_worker.py"
 HF_FP8 = Path(sys.executable).with_name("hf-fp8")
 TIMEOUT_S = 180
 

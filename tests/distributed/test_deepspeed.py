@@ -1,12 +1,16 @@
 """DeepSpeed ZeRO through the Trainer's ``deepspeed=`` argument with Fp8TrainerCallback, checked with real
-processes on the CPU (DeepSpeed's CPU accelerator, gloo, two ranks): ZeRO-3 with every weight partitioned
-and ZeRO-2, one FP8 state on every rank, the amax of each whole weight, an exact resume."""
+processes on the CPU (DeepSpeed's CPU accelerator, gloo, two ranks): ZeRO-3 with every weight partitioned,
+ZeRO-2 and ZeRO-1, one FP8 state on every rank, the amax of each whole weight, an exact resume, ZeRO-3's
+decoder blocks gathered whole. On two GPUs (marked ``gpu``): ``hf-fp8 launch`` with the Accelerate config
+examples/deepspeed_zero3.yaml and a ``prepare_fp8`` loop, ZeRO-2 and ZeRO-3, saved and resumed."""
 
 import json
 import shutil
+import sys
 
 import pytest
-from launcher import DEEPSPEED_WORKER, ranks, run
+import torch
+from launcher import ACCELERATE_DEEPSPEED_WORKER, DEEPSPEED_WORKER, REPO, free_port, ranks, run
 
 from hf_fp8.numerics.scaling import WEIGHT
 
@@ -37,7 +41,12 @@ def zero2(tmp_path_factory):
     return full_and_resumed(tmp_path_factory, 2)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory):
+    return {"full": train(tmp_path_factory.mktemp("zero1"), 1, 3)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_rank_trains_the_fp8_layers_with_one_fp8_state(stage, request):
     ranks_ = request.getfixturevalue(f"zero{stage}")["full"]
     assert [r["type"] for r in ranks_] == ["Fp8Linear"] * 2
@@ -74,3 +83,38 @@ def test_zero_resumes_from_a_checkpoint_exactly(stage, request):
     assert resumed["fp8_steps"] == full["fp8_steps"] == 4
     assert resumed["history"] == full["history"] and resumed["scale"] == full["scale"]
     assert resumed["losses"][2:] == full["losses"][2:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_hf_fp8_launch_with_the_accelerate_deepspeed_config(stage, tmp_path):
+    """``hf-fp8 launch --config_file examples/deepspeed_zero3.yaml`` (``--zero_stage 2`` for ZeRO-2) and a
+    loop with ``prepare_fp8`` on two GPUs: FP8 layers inside DeepSpeed's engine, ZeRO-3's blocks gathered
+    whole, one FP8 state on both ranks, and a run resumed from ``accelerator.save_state`` that follows the
+    uninterrupted one."""
+    config = REPO / "examples" / "deepspeed_zero3.yaml"
+    # the command as a module: a GPU host may have the checkout on PYTHONPATH, not the console script
+    launch = [sys.executable, "-m", "hf_fp8.apps.cli", "launch", "--config_file", str(config)]
+    launch += ["--zero_stage", str(stage), "--recipe", "hybrid-delayed"]
+    launch += ["--main_process_port", str(free_port()), str(ACCELERATE_DEEPSPEED_WORKER)]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    for folder in (first, resumed):
+        folder.mkdir()
+    run([([*launch, str(first), "5", "--save-at", "3"], {})], first / "log")
+    assert (first / "checkpoint" / "fp8_state.safetensors").is_file()
+    resume = ("--save-at", "3", "--resume-from", str(first / "checkpoint"))
+    run([([*launch, str(resumed), "5", *resume], {})], resumed / "log")
+    rank0, rank1 = (json.loads((first / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["engine"] == "DeepSpeedEngine" and rank0["zero_stage"] == stage
+    assert rank0["type"] == "Fp8Linear" and rank0["partitioned"] == (stage == 3)
+    assert rank0["block_leaf"] == (stage == 3)
+    assert any(f"DeepSpeed (ZeRO-{stage})" in note for note in rank0["notes"])
+    for a, b in zip(rank0["steps"], rank1["steps"], strict=True):
+        assert a["loss"] != b["loss"]  # each rank its own batches
+        assert a["history"] == b["history"] and a["scale"] == b["scale"], a["step"]
+    again = json.loads((resumed / "rank0.json").read_text())["steps"]
+    assert [s["step"] for s in again] == [4, 5]
+    for a, b in zip(again, rank0["steps"][3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
+        assert a["scale"] == pytest.approx(b["scale"], rel=1e-3), a["step"]
