@@ -31,6 +31,7 @@ from hf_fp8.checks import check_model
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
 from hf_fp8.patching.patch_state import get_state, patched_module
 from hf_fp8.patching.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
+from hf_fp8.patching.zero import zero_stage
 from hf_fp8.recipe_keys import MAX_MARGIN
 
 __all__ = ["Fp8NanGuard"]
@@ -57,6 +58,7 @@ class Fp8NanGuard:
         self._consecutive_skips = 0
         self._losses: list[torch.Tensor] = []
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._under_deepspeed = zero_stage(patched) is not None
         self._take_snapshot()
         self._hook = model.register_forward_hook(self._watch_loss)
 
@@ -87,6 +89,11 @@ class Fp8NanGuard:
             return True
         where = f"step {step}: {problem}" if step is not None else problem
         policy = self.recipe.nan_policy
+        if policy == "raise" and self._under_deepspeed:
+            raise FloatingPointError(
+                f"hf_fp8: {where}. Under DeepSpeed the engine may have updated the weights with this step "
+                "already (it steps inside the backward): resume from the last checkpoint"
+            )
         if policy == "raise":
             raise FloatingPointError(
                 f"hf_fp8: {where}. The weights are not updated by this step. Set nan_policy: skip_step or "

@@ -63,6 +63,14 @@ def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
             "false (LoRA then keeps the frozen base weights in BF16; its GEMMs still run in FP8), or train "
             "on one GPU, under DDP or FSDP2"
         )
+    if recipe.nan_policy != "raise":
+        return (
+            f"nan_policy {recipe.nan_policy} cannot be honoured {where}: a step cannot be skipped there, "
+            "since DeepSpeed's engine keeps the gradients in its own buffers and steps the optimizer itself "
+            "(through accelerate, the Trainer included, inside the backward), before the NaN guard sees the "
+            "step. Set nan_policy: raise (the guard then stops the run at the first non-finite step), or "
+            "train on one GPU, under DDP or FSDP2"
+        )
     if recipe.fp8_all_gather:
         return (
             f"fp8_all_gather cannot be honoured {where}: it is FSDP2's FP8 all-gather, and ZeRO gathers "

@@ -113,3 +113,27 @@ def test_compile_gathers_blocks_whole_under_zero3_or_says_it_comes_too_late(no_d
     with pytest.warns(UserWarning, match=too_late):
         hf_fp8.compile(model)
     assert not any(z3_leaf_module(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("policy", ["skip_step", "increase_margin"])
+def test_nan_policies_that_skip_a_step_are_refused_under_zero(policy, no_deepspeed, monkeypatch):
+    """DeepSpeed's engine steps with its own gradient buffers (inside the backward, through accelerate):
+    the guard cannot drop a step there, so a recipe that asks it to is refused, not trained on."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    model = tm.build("llama")
+    with pytest.raises(ValueError, match=f"nan_policy {policy} cannot be honoured under DeepSpeed ZeRO-2: "):
+        patch_model(model, {"nan_policy": policy})
+    assert not is_patched(model)
+
+
+def test_the_guard_does_not_claim_the_weights_were_kept_under_zero(no_deepspeed, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    model = tm.build("llama")
+    patch_model(model)
+    guard = hf_fp8.Fp8NanGuard(model)
+    batch = tm.batch_for("llama", 32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model(**batch).loss.backward()
+    with pytest.raises(FloatingPointError, match="may have updated the weights with this step already"):
+        guard.check(0)
