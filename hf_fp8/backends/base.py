@@ -68,6 +68,8 @@ class Fp8Backend(ABC):
     fsdp_problem: ClassVar[str | None] = None
     # Why a model of this backend does not train under nn.DataParallel (None: it does).
     data_parallel_problem: ClassVar[str | None] = "hf-fp8 has not tested this backend under nn.DataParallel"
+    # Why a model of this backend does not train under DeepSpeed ZeRO (None: it does).
+    zero_problem: ClassVar[str | None] = "hf-fp8 has not tested this backend under DeepSpeed ZeRO"
     # Whether a patch of this backend can move to a module inside the patched model (PEFT's
     # merge_and_unload returns the base model of the PeftModel that was patched).
     movable: ClassVar[bool] = False

@@ -41,6 +41,7 @@ class NativeBackend(Fp8Backend):
     keeps_norms = "norm: not a GEMM; the native backend keeps norms in high precision"
     keeps_experts = None
     data_parallel_problem = None
+    zero_problem = None
     movable = True
 
     def __init__(self, recipe: Fp8Recipe) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "backend_class",
     "backend_for_data_parallel",
     "backend_for_fsdp",
+    "backend_for_zero",
     "fp8_layers",
     "is_fp8_module",
     "plain_module",
@@ -74,6 +75,12 @@ def backend_for_data_parallel(name: str) -> str:
     return _backend_without(
         name, "data_parallel_problem", "under nn.DataParallel", "a model that nn.DataParallel will replicate"
     )
+
+
+def backend_for_zero(name: str) -> str:
+    """The backend to patch a model with that DeepSpeed ZeRO will train, chosen or refused as
+    :func:`backend_for_fsdp` does."""
+    return _backend_without(name, "zero_problem", "under DeepSpeed ZeRO", "a model that ZeRO will train")
 
 
 def _backend_without(name: str, problem: str, where: str, model: str) -> str:

@@ -24,7 +24,13 @@ from torch.utils.hooks import RemovableHandle
 
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.backends.native import NativeBackend
-from hf_fp8.backends.registry import auto_backend, backend_class, is_fp8_module, plain_module
+from hf_fp8.backends.registry import (
+    auto_backend,
+    backend_class,
+    backend_for_zero,
+    is_fp8_module,
+    plain_module,
+)
 from hf_fp8.checks import check_amax_group, check_model
 from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
@@ -85,6 +91,8 @@ def patch_model(
     stage = zero_stage(model)
     if stage is not None and (refusal := zero_refusal(recipe, stage)) is not None:
         raise ValueError(f"hf_fp8: {refusal}")
+    if stage is not None:
+        backend = backend_for_zero(backend)
     device = _device_of(model)
     chosen_class, passed_over = (
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])

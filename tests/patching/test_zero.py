@@ -137,3 +137,12 @@ def test_the_guard_does_not_claim_the_weights_were_kept_under_zero(no_deepspeed,
     model(**batch).loss.backward()
     with pytest.raises(FloatingPointError, match="may have updated the weights with this step already"):
         guard.check(0)
+
+
+def test_zero_trains_the_native_backend_and_refuses_te_before_the_model_changes(no_deepspeed, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    model = tm.build("llama")
+    with pytest.raises(ValueError, match=r"the te backend is not supported under DeepSpeed ZeRO: .*'native'"):
+        patch_model(model, backend="te")
+    assert not is_patched(model)
+    assert patch_model(model, backend="auto").backend == "native"

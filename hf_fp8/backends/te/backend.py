@@ -62,6 +62,10 @@ class TeBackend(Fp8Backend):
         "Transformer Engine keeps its autocast and FP8 step state per process, and nn.DataParallel runs "
         "the replicas of the model in threads of one process"
     )
+    zero_problem = (
+        "hf-fp8 has not tested Transformer Engine's modules under DeepSpeed ZeRO (ZeRO-3 would partition "
+        "and gather their fused weights, and TE keeps FP8 copies of weights of its own)"
+    )
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         super().__init__(recipe)
