@@ -40,6 +40,7 @@ from hf_fp8.integrations.telemetry import Fp8Telemetry
 from hf_fp8.patching.patch import is_patched, patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
+from hf_fp8.patching.zero import gather_blocks_whole
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
 
@@ -131,6 +132,7 @@ class Fp8TrainerCallback(TrainerCallback):
                     stacklevel=3,
                 )
             self.recipe = patched_recipe
+            gather_blocks_whole(model)  # under ZeRO-3; patched before the model got its final form (PEFT)
         else:
             self.report = patch_model(
                 model, self.recipe, backend=_backend_for(self.backend, args, self.recipe)

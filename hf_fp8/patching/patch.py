@@ -81,7 +81,10 @@ def patch_model(
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
-        return _walk(model, state.backend, convert=False)[0]
+        report = _walk(model, state.backend, convert=False)[0]
+        if (gathered := gather_blocks_whole(model)) is not None:  # the model may have changed (PEFT)
+            report.notes.append(gathered)
+        return report
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
         report = _walk(model, NativeBackend(recipe), convert=False)[0]

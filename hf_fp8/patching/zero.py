@@ -13,7 +13,7 @@ after. Inside a compiled block every such hook is a graph break (DeepSpeed keeps
 norms and activations before them: on two H200s (8B shape, 16 layers) hf-fp8 ran 1.04x BF16 so, and
 1.32x with every decoder block a ZeRO-3 "leaf module" (DeepSpeed's own switch, which gathers a block's
 weights as one unit, hooked once). :func:`gather_blocks_whole` sets it before ``deepspeed.initialize``
-registers the hooks.
+registers the hooks, for models whose parameters all train (not under LoRA: see there).
 """
 
 from __future__ import annotations
@@ -81,21 +81,41 @@ def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
 
 def gather_blocks_whole(model: nn.Module) -> str | None:
     """Under ZeRO-3, make each of ``model``'s repeated blocks (its decoder layers) a DeepSpeed leaf
-    module, so that ZeRO-3 gathers and frees a block's weights at once and hooks nothing inside it.
+    module, so that ZeRO-3 gathers and frees a block's weights at once and hooks nothing inside it; or,
+    where the model has frozen parameters (LoRA), keep or put the blocks back to DeepSpeed's gathers layer
+    by layer. Call it again when the model changes (a patched model wrapped in PEFT later): the Trainer
+    callback and ``prepare_fp8`` do.
 
-    Returns what was done, for a report, or ``None`` where nothing was (no ZeRO-3 shows, no repeated
-    blocks, the blocks are leaves already). Warns, changing nothing, where ``deepspeed.initialize`` has
-    already hooked the modules inside the blocks: marking the blocks then would not remove those hooks.
+    DeepSpeed reduces a leaf module's gradients when the gradient of its input is ready, and for a block
+    whose input needs no gradient (the first block after frozen embeddings) that comes before any of
+    its weights' gradients: the run fails ("Cannot reduce scatter gradients whose size is not same as
+    the params"). Every parameter trainable rules that out.
+
+    Returns what it means for the run, for a report, or ``None`` where there is nothing to say (no
+    ZeRO-3 shows, no repeated blocks, the blocks are leaves already). Warns, changing nothing, where
+    ``deepspeed.initialize`` has already hooked the modules inside the blocks.
     """
     blocks = repeated_blocks(model)
     if not blocks or zero_stage(model) != 3:
         return None
-    from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module  # ZeRO-3 shows: DeepSpeed is here
+    from deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
-    if all(z3_leaf_module(b) for b in blocks):
+    whole = all(p.requires_grad for p in model.parameters())
+    leaves = [z3_leaf_module(b) for b in blocks]
+    if whole and all(leaves):
         return None
     names = ", ".join(sorted({type(b).__name__ for b in blocks}))
-    if any(hasattr(m, "ds_id") for block in blocks for m in block.modules()):  # set by its hooks
+    classes = sorted({type(b) for b in blocks}, key=lambda c: c.__name__)
+    hooked = any(hasattr(m, "ds_id") for block in blocks for m in block.modules())  # set by its hooks
+    if not whole:
+        if any(leaves) and not hooked:
+            unset_z3_leaf_modules(model, classes)
+        return (
+            f"DeepSpeed (ZeRO-3): the {names} blocks gather their weights layer by layer, as the model "
+            "has frozen parameters (DeepSpeed's whole-block gathers would reduce a block's gradients "
+            "before they exist); a compiled block then runs as a graph per layer"
+        )
+    if hooked:
         warnings.warn(
             f"hf_fp8: deepspeed.initialize has already hooked every layer inside the model's {names} "
             "blocks (ZeRO-3 gathers each linear layer's weight on its own), and each hook breaks a "
@@ -104,7 +124,7 @@ def gather_blocks_whole(model: nn.Module) -> str | None:
             stacklevel=3,
         )
         return None
-    set_z3_leaf_modules(model, sorted({type(b) for b in blocks}, key=lambda c: c.__name__))
+    set_z3_leaf_modules(model, classes)
     return (
         f"DeepSpeed (ZeRO-3): each {names} gathers its weights as one unit (a ZeRO-3 leaf module), so "
         "that a compiled block runs as one graph"

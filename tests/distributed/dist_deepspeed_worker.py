@@ -1,15 +1,18 @@
 """One rank of a Trainer run under DeepSpeed ZeRO (CPU accelerator, gloo) with Fp8TrainerCallback, for
 tests/distributed/test_deepspeed.py.
 
-    dist_deepspeed_worker.py OUT_DIR STAGE STEPS [CHECKPOINT]
+    dist_deepspeed_worker.py OUT_DIR STAGE STEPS [--checkpoint DIR] [--lora] [--layer-by-layer]
 
-Trains a tiny Llama for STEPS steps with a checkpoint every two, or resumes from CHECKPOINT, under
+Trains a tiny Llama (``--lora``: LoRA adapters on it, the base frozen, its GEMMs in FP8) for STEPS steps
+with a checkpoint every two, or resumes from a checkpoint (``--layer-by-layer``: ZeRO-3's gathers as
+DeepSpeed does them by default, each layer on its own, not a decoder block at a time), under
 examples/deepspeed_zero<STAGE>.json (ZeRO-1: the ZeRO-2 config at stage 1). Writes
 OUT_DIR/rank<R>.json: the FP8 state of one layer at the end, the losses, and before the first step and
 after each the amax of that layer's whole weight (gathered from the ZeRO-3 partitions): the weight amax
 the next step's end must record.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -18,6 +21,7 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported (by the Trainer)
 
 import deepspeed
+from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
@@ -32,31 +36,41 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 class WeightAmaxes(TrainerCallback):
     """The amax of the whole weight (a collective under ZeRO-3) before the first step and after each."""
 
-    def __init__(self):
+    def __init__(self, layer: str):
+        self.layer = layer
         self.amaxes: list[float] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.on_step_end(args, state, control, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        weight = model.get_submodule(LAYER).weight
+        weight = model.get_submodule(self.layer).weight
         with deepspeed.zero.GatheredParameters([weight], enabled=hasattr(weight, "ds_id")):
             self.amaxes.append(weight.detach().abs().max().item())
 
 
-def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("stage", type=int)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--layer-by-layer", action="store_true")
+    options = parser.parse_args(argv)
+    out_dir, stage, steps = options.out_dir, options.stage, options.steps
     rank = int(os.environ["RANK"])
     batches = tm.batch_for("llama", 32, batch_size=32, seed=0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in batches["input_ids"]]
-    with open(EXAMPLES / f"deepspeed_zero{max(int(stage), 2)}.json") as f:
+    with open(EXAMPLES / f"deepspeed_zero{max(stage, 2)}.json") as f:
         config = json.load(f)  # the config the README points users to, "auto" values and all
-    config["zero_optimization"]["stage"] = int(stage)
+    config["zero_optimization"]["stage"] = stage
     if config["zero_optimization"]["stage"] == 3:  # every weight partitioned, the tiny ones too
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=2,
-        max_steps=int(steps),
+        max_steps=steps,
         learning_rate=1e-3,
         use_cpu=True,
         ddp_backend="gloo",
@@ -67,13 +81,21 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
         logging_steps=1,
         disable_tqdm=True,
     )
-    amaxes = WeightAmaxes()
-    fp8 = Fp8TrainerCallback("hybrid-delayed")
     # built after the arguments: under ZeRO-3 transformers builds it inside zero.Init, partitioned
-    trainer = Trainer(model=tm.build("llama"), args=args, train_dataset=rows, callbacks=[fp8, amaxes])
-    trainer.train(resume_from_checkpoint=checkpoint or None)
-    layer = trainer.model.get_submodule(LAYER)
-    block = trainer.model.get_submodule(LAYER.rsplit(".", 2)[0])
+    model, layer_path, block_path = tm.build("llama"), LAYER, LAYER.rsplit(".", 2)[0]
+    if options.lora:
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        layer_path, block_path = f"base_model.model.{LAYER}.base_layer", f"base_model.model.{block_path}"
+    amaxes = WeightAmaxes(layer_path)
+    fp8 = Fp8TrainerCallback("hybrid-delayed")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[fp8, amaxes])
+    if options.layer_by_layer:  # the callback has patched the model; deepspeed.initialize comes in train()
+        deepspeed.utils.unset_z3_leaf_modules(model, [type(model.model.layers[0])])
+    trainer.train(resume_from_checkpoint=options.checkpoint)
+    layer = trainer.model.get_submodule(layer_path)
+    block = trainer.model.get_submodule(block_path)
+    named = trainer.model.named_parameters()
+    trainable = {"lora" if ".lora_" in n else "base" for n, p in named if p.requires_grad}
     result = {
         "type": type(layer).__name__,
         "partitioned": hasattr(layer.weight, "ds_id"),
@@ -81,7 +103,8 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
         "hooked": [hasattr(block, "ds_id"), hasattr(layer, "ds_id")],  # ZeRO-3's hooks number the modules
         "notes": fp8.report.notes,
         "fp8_steps": layer.fp8_steps.item(),
-        "history": layer.amax_history[:, : int(steps) + 2].tolist(),
+        "history": layer.amax_history[:, : steps + 2].tolist(),
+        "trainable": sorted(trainable),  # which parameters train: "lora", "base" or both
         "scale": layer.scale.tolist(),
         "weight_amaxes": amaxes.amaxes,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
@@ -91,5 +114,5 @@ def main(out_dir: str, stage: str, steps: str, checkpoint: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])
     os._exit(0)  # no interpreter teardown: see dist_worker.py

@@ -15,9 +15,10 @@ from launcher import ACCELERATE_DEEPSPEED_WORKER, DEEPSPEED_WORKER, REPO, free_p
 from hf_fp8.numerics.scaling import WEIGHT
 
 
-def train(folder, stage: int, steps: int, checkpoint=None) -> list[dict]:
+def train(folder, stage: int, steps: int, checkpoint=None, *options: str) -> list[dict]:
     """Both ranks' results (see dist_deepspeed_worker.py)."""
-    arguments = [str(folder), str(stage), str(steps)] + ([str(checkpoint)] if checkpoint else [])
+    arguments = [str(folder), str(stage), str(steps), *options]
+    arguments += ["--checkpoint", str(checkpoint)] if checkpoint else []
     run([([*command, *arguments], env) for command, env in ranks(2, DEEPSPEED_WORKER)], folder / "log")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -39,6 +40,26 @@ def zero3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
     return full_and_resumed(tmp_path_factory, 2)
+
+
+def test_gathering_blocks_whole_trains_as_gathering_layer_by_layer(zero3, tmp_path):
+    layer_by_layer = train(tmp_path, 3, 4, None, "--layer-by-layer")[0]
+    assert not layer_by_layer["block_leaf"] and layer_by_layer["hooked"] == [True, True]
+    whole = zero3["full"][0]
+    assert whole["losses"] == layer_by_layer["losses"] and whole["history"] == layer_by_layer["history"]
+
+
+def test_lora_trains_its_adapters_over_fp8_gemms_under_zero3(tmp_path):
+    """LoRA (the base weights in BF16, frozen, partitioned) under ZeRO-3: the base layers run their GEMMs
+    in FP8 with one FP8 state on both ranks, and only the adapters train. The blocks are gathered layer
+    by layer: DeepSpeed's whole-block gathers fail when the first block's input needs no gradient."""
+    ranks_ = train(tmp_path, 3, 2, None, "--lora")
+    for rank in ranks_:
+        assert rank["type"] == "Fp8Linear" and rank["partitioned"] and not rank["block_leaf"]
+        assert rank["trainable"] == ["lora"]
+        assert any("gather their weights layer by layer" in note for note in rank["notes"])
+    assert ranks_[0]["history"] == ranks_[1]["history"] and ranks_[0]["fp8_steps"] == 2
+    assert all(ranks_[0]["history"][role][1] > 0 for role in range(3))
 
 
 @pytest.fixture(scope="module")

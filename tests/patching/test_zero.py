@@ -146,3 +146,22 @@ def test_zero_trains_the_native_backend_and_refuses_te_before_the_model_changes(
         patch_model(model, backend="te")
     assert not is_patched(model)
     assert patch_model(model, backend="auto").backend == "native"
+
+
+def test_a_model_with_frozen_parameters_is_gathered_layer_by_layer_under_zero3(no_deepspeed, monkeypatch):
+    """Patched, then wrapped in LoRA (its base frozen): patching again, as the Trainer callback and
+    prepare_fp8 do with a patched model, puts the blocks back to DeepSpeed's layer-by-layer gathers, with
+    the reason; DeepSpeed's whole-block gathers would fail on the first block, whose input needs no
+    gradient."""
+    from deepspeed.utils import z3_leaf_module
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    model = tm.build("llama")
+    patch_model(model)
+    assert all(z3_leaf_module(block) for block in model.model.layers)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    report = patch_model(lora)
+    assert not any(z3_leaf_module(m) for m in lora.modules())
+    assert any("gather their weights layer by layer, as the model has frozen" in n for n in report.notes)
