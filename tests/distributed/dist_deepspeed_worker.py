@@ -1,5 +1,6 @@
-"""One rank of a Trainer run under DeepSpeed ZeRO (CPU accelerator, gloo) with Fp8TrainerCallback, for
-tests/distributed/test_deepspeed.py.
+"""One rank of a Trainer run under DeepSpeed ZeRO with Fp8TrainerCallback, for
+tests/distributed/test_deepspeed.py: on DeepSpeed's CPU accelerator with gloo, or with
+``DS_ACCELERATOR=cuda`` on the rank's GPU with NCCL and BF16.
 
     dist_deepspeed_worker.py OUT_DIR STAGE STEPS [--checkpoint DIR] [--lora] [--layer-by-layer]
 
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> None:
     options = parser.parse_args(argv)
     out_dir, stage, steps = options.out_dir, options.stage, options.steps
     rank = int(os.environ["RANK"])
+    cuda = os.environ["DS_ACCELERATOR"] == "cuda"
     batches = tm.batch_for("llama", 32, batch_size=32, seed=0)
     rows = [{"input_ids": ids, "labels": ids.clone()} for ids in batches["input_ids"]]
     with open(EXAMPLES / f"deepspeed_zero{max(stage, 2)}.json") as f:
@@ -72,8 +74,9 @@ def main(argv: list[str]) -> None:
         per_device_train_batch_size=2,
         max_steps=steps,
         learning_rate=1e-3,
-        use_cpu=True,
-        ddp_backend="gloo",
+        use_cpu=not cuda,
+        ddp_backend="nccl" if cuda else "gloo",
+        bf16=cuda,
         deepspeed=config,
         report_to="none",
         save_strategy="steps",

@@ -15,20 +15,21 @@ from launcher import ACCELERATE_DEEPSPEED_WORKER, DEEPSPEED_WORKER, REPO, free_p
 from hf_fp8.numerics.scaling import WEIGHT
 
 
-def train(folder, stage: int, steps: int, checkpoint=None, *options: str) -> list[dict]:
+def train(folder, stage: int, steps: int, checkpoint=None, *options: str, gpus: bool = False) -> list[dict]:
     """Both ranks' results (see dist_deepspeed_worker.py)."""
     arguments = [str(folder), str(stage), str(steps), *options]
     arguments += ["--checkpoint", str(checkpoint)] if checkpoint else []
-    run([([*command, *arguments], env) for command, env in ranks(2, DEEPSPEED_WORKER)], folder / "log")
+    device = {"DS_ACCELERATOR": "cuda" if gpus else "cpu"}
+    run([([*cmd, *arguments], {**env, **device}) for cmd, env in ranks(2, DEEPSPEED_WORKER)], folder / "log")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def full_and_resumed(tmp_path_factory, stage: int) -> dict[str, list[dict]]:
+def full_and_resumed(tmp_path_factory, stage: int, gpus: bool = False) -> dict[str, list[dict]]:
     """Four steps under ZeRO ``stage``, then the same run resumed from its checkpoint after step 2."""
     full, resumed = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("resumed")
-    results = {"full": train(full, stage, 4)}
+    results = {"full": train(full, stage, 4, gpus=gpus)}
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    results["resumed"] = train(resumed, stage, 4, resumed / "checkpoint-2")
+    results["resumed"] = train(resumed, stage, 4, resumed / "checkpoint-2", gpus=gpus)
     return results
 
 
@@ -139,3 +140,20 @@ def test_gpu_hf_fp8_launch_with_the_accelerate_deepspeed_config(stage, tmp_path)
     for a, b in zip(again, rank0["steps"][3:], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
         assert a["scale"] == pytest.approx(b["scale"], rel=1e-3), a["step"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_trainer_with_a_deepspeed_config_trains_and_resumes(stage, tmp_path_factory):
+    """The Trainer's ``deepspeed=`` with examples/deepspeed_zero<N>.json and Fp8TrainerCallback on two
+    GPUs (NCCL, BF16): one FP8 state on both ranks, ZeRO-3's blocks gathered whole, and a run resumed
+    from a checkpoint that follows the uninterrupted one (up to the GPU's nondeterministic kernels)."""
+    results = full_and_resumed(tmp_path_factory, stage, gpus=True)
+    full, resumed = results["full"], results["resumed"][0]
+    assert [r["partitioned"] for r in full] == [r["block_leaf"] for r in full] == [stage == 3] * 2
+    assert full[0]["history"] == full[1]["history"] and full[0]["scale"] == full[1]["scale"]
+    assert all(full[0]["history"][role][slot] > 0 for role in range(3) for slot in range(1, 5))
+    assert resumed["fp8_steps"] == 4
+    assert resumed["losses"][2:] == pytest.approx(full[0]["losses"][2:], rel=1e-3)
+    assert resumed["scale"] == pytest.approx(full[0]["scale"], rel=1e-3)
