@@ -73,7 +73,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             "backend='native' for the compiled fast path"
         )
     _announce_emulation(model)
-    gather_blocks_whole(model)  # under ZeRO-3 (the FP8 report says so where patch_model did it)
+    if (gathered := gather_blocks_whole(model)) is not None and state is not None:  # under ZeRO-3
+        state.report.notes.append(gathered)
     # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
     hf_model = next(
         (m for m in model.modules() if "use_cache" in inspect.signature(m.forward).parameters), None

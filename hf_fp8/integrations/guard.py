@@ -31,7 +31,7 @@ from hf_fp8.checks import check_model
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
 from hf_fp8.patching.patch_state import get_state, patched_module
 from hf_fp8.patching.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
-from hf_fp8.patching.zero import zero_stage
+from hf_fp8.patching.zero import zero_refusal, zero_stage
 from hf_fp8.recipe_keys import MAX_MARGIN
 
 __all__ = ["Fp8NanGuard"]
@@ -58,7 +58,10 @@ class Fp8NanGuard:
         self._consecutive_skips = 0
         self._losses: list[torch.Tensor] = []
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._under_deepspeed = zero_stage(patched) is not None
+        stage = zero_stage(patched)
+        self._under_deepspeed = stage is not None
+        if stage is not None and (refusal := zero_refusal(self.recipe, stage)) is not None:
+            raise ValueError(f"hf_fp8: {refusal}")  # a model patched before DeepSpeed showed
         self._take_snapshot()
         self._hook = model.register_forward_hook(self._watch_loss)
 

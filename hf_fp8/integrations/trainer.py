@@ -32,7 +32,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 
 from hf_fp8.backends.base import data_parallel_refusal
-from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
+from hf_fp8.backends.registry import (
+    backend_class,
+    backend_for_data_parallel,
+    backend_for_fsdp,
+    backend_for_zero,
+)
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.integrations.guard import Fp8NanGuard
@@ -40,7 +45,7 @@ from hf_fp8.integrations.telemetry import Fp8Telemetry
 from hf_fp8.patching.patch import is_patched, patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
-from hf_fp8.patching.zero import gather_blocks_whole
+from hf_fp8.patching.zero import zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
 
@@ -132,7 +137,9 @@ class Fp8TrainerCallback(TrainerCallback):
                     stacklevel=3,
                 )
             self.recipe = patched_recipe
-            gather_blocks_whole(model)  # under ZeRO-3; patched before the model got its final form (PEFT)
+            # patched before the model took its final form (PEFT) or before DeepSpeed showed: what ZeRO
+            # needs is checked again (the report says what it did)
+            self.report = patch_model(model)
         else:
             self.report = patch_model(
                 model, self.recipe, backend=_backend_for(self.backend, args, self.recipe)
@@ -288,9 +295,11 @@ def _checkpointing_requested(args: Any) -> bool:
 def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
     Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
-    arguments, a backend that trains sharded."""
+    arguments, a backend that trains sharded; with ``deepspeed``, one that trains under ZeRO."""
     if getattr(args, "fsdp", None):
         return backend_for_fsdp(backend)
+    if getattr(args, "deepspeed", None) or zero_stage() is not None:
+        return backend_for_zero(backend)
     if _data_parallel(args):
         return backend_for_data_parallel(backend)
     if backend != "auto":

@@ -81,6 +81,7 @@ def patch_model(
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
+        _check_zero(model, state.recipe, state.backend.name)  # patched before DeepSpeed showed
         report = _walk(model, state.backend, convert=False)[0]
         if (gathered := gather_blocks_whole(model)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
@@ -90,12 +91,7 @@ def patch_model(
         report = _walk(model, NativeBackend(recipe), convert=False)[0]
         report.backend = "none"
         return report
-    # refuses before the model changes
-    stage = zero_stage(model)
-    if stage is not None and (refusal := zero_refusal(recipe, stage)) is not None:
-        raise ValueError(f"hf_fp8: {refusal}")
-    if stage is not None:
-        backend = backend_for_zero(backend)
+    stage, backend = _check_zero(model, recipe, backend)  # refuses before the model changes
     device = _device_of(model)
     chosen_class, passed_over = (
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
@@ -248,6 +244,17 @@ def _undo(model: nn.Module, replaced: list[Replaced], handles: list[RemovableHan
         set_path(model, entry.path, entry.original)
     for handle in handles:
         handle.remove()
+
+
+def _check_zero(model: nn.Module, recipe: Fp8Recipe, backend: str) -> tuple[int | None, str]:
+    """The ZeRO stage the model will train under (``None``: no DeepSpeed shows) and the backend to patch
+    with there; raises where ZeRO cannot honour the recipe or the backend."""
+    stage = zero_stage(model)
+    if stage is None:
+        return None, backend
+    if (refusal := zero_refusal(recipe, stage)) is not None:
+        raise ValueError(f"hf_fp8: {refusal}")
+    return stage, backend_for_zero(backend)
 
 
 def _warn_if_repatched_differently(state: PatchState, asked: Any, recipe: Fp8Recipe, backend: str) -> None:

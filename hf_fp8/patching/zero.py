@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections import Counter
 from typing import Any
 
 from torch import nn
@@ -80,55 +81,74 @@ def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
 
 
 def gather_blocks_whole(model: nn.Module) -> str | None:
-    """Under ZeRO-3, make each of ``model``'s repeated blocks (its decoder layers) a DeepSpeed leaf
-    module, so that ZeRO-3 gathers and frees a block's weights at once and hooks nothing inside it; or,
-    where the model has frozen parameters (LoRA), keep or put the blocks back to DeepSpeed's gathers layer
-    by layer. Call it again when the model changes (a patched model wrapped in PEFT later): the Trainer
-    callback and ``prepare_fp8`` do.
+    """Under ZeRO-3, make each of ``model``'s decoder blocks a DeepSpeed leaf module, so that ZeRO-3
+    gathers and frees a block's weights at once and hooks nothing inside it; or, where the model has
+    frozen parameters (LoRA), keep or put the blocks back to DeepSpeed's gathers layer by layer. Call it
+    again when the model changes (a patched model wrapped in PEFT later): ``patch_model`` does on a
+    patched model, as the Trainer callback and ``prepare_fp8`` call it.
 
-    DeepSpeed reduces a leaf module's gradients when the gradient of its input is ready, and for a block
-    whose input needs no gradient (the first block after frozen embeddings) that comes before any of
-    its weights' gradients: the run fails ("Cannot reduce scatter gradients whose size is not same as
-    the params"). Every parameter trainable rules that out.
+    DeepSpeed reduces a leaf module's gradients when the gradient of its input is ready, and for a module
+    whose input needs no gradient (the first block after frozen embeddings, or the embeddings themselves)
+    that comes before any of its weights' gradients: the run fails ("Cannot reduce scatter gradients
+    whose size is not same as the params"). Hence only repeated blocks without an embedding, in a model
+    whose parameters all train.
 
     Returns what it means for the run, for a report, or ``None`` where there is nothing to say (no
-    ZeRO-3 shows, no repeated blocks, the blocks are leaves already). Warns, changing nothing, where
+    ZeRO-3 shows, no such blocks, the blocks are leaves already). Warns, changing nothing, where
     ``deepspeed.initialize`` has already hooked the modules inside the blocks.
     """
-    blocks = repeated_blocks(model)
+    blocks = _blocks_to_gather(model)
     if not blocks or zero_stage(model) != 3:
         return None
-    from deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-
-    whole = all(p.requires_grad for p in model.parameters())
+    try:
+        from deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+    except ImportError:  # a stage from the environment without DeepSpeed: nothing will gather
+        return None
+    trainable = all(p.requires_grad for p in model.parameters())
     leaves = [z3_leaf_module(b) for b in blocks]
-    if whole and all(leaves):
+    if trainable and all(leaves):
         return None
     names = ", ".join(sorted({type(b).__name__ for b in blocks}))
     classes = sorted({type(b) for b in blocks}, key=lambda c: c.__name__)
-    hooked = any(hasattr(m, "ds_id") for block in blocks for m in block.modules())  # set by its hooks
-    if not whole:
-        if any(leaves) and not hooked:
-            unset_z3_leaf_modules(model, classes)
-        return (
-            f"DeepSpeed (ZeRO-3): the {names} blocks gather their weights layer by layer, as the model "
-            "has frozen parameters (DeepSpeed's whole-block gathers would reduce a block's gradients "
-            "before they exist); a compiled block then runs as a graph per layer"
-        )
-    if hooked:
+    layer_by_layer = (
+        f"DeepSpeed (ZeRO-3): the {names} blocks gather their weights layer by layer, as the model has "
+        "frozen parameters (DeepSpeed's whole-block gathers would reduce a block's gradients before they "
+        "exist); a compiled block then runs as a graph per layer"
+    )
+    if any(hasattr(m, "ds_id") for block in blocks for m in block.modules()):  # ZeRO-3's hooks number them
+        if trainable:
+            hooked = "each layer on its own, each hook a graph break in a compiled block: FP8 gains little"
+        elif any(leaves):
+            hooked = "each as one unit, and the model now has frozen parameters: DeepSpeed will fail to "
+            hooked += "reduce the first block's gradients"
+        else:
+            return layer_by_layer
         warnings.warn(
-            f"hf_fp8: deepspeed.initialize has already hooked every layer inside the model's {names} "
-            "blocks (ZeRO-3 gathers each linear layer's weight on its own), and each hook breaks a "
-            "compiled block's graph: FP8 then gains little. Call patch_model and hf_fp8.compile before "
-            "deepspeed.initialize (before the Trainer or accelerator.prepare takes the model)",
+            f"hf_fp8: deepspeed.initialize has already hooked the model's {names} blocks, {hooked}. Call "
+            "patch_model (after PEFT's get_peft_model) and hf_fp8.compile before deepspeed.initialize "
+            "(before the Trainer or accelerator.prepare takes the model)",
             stacklevel=3,
         )
         return None
+    if not trainable:
+        if any(leaves):
+            unset_z3_leaf_modules(model, classes)
+        return layer_by_layer
     set_z3_leaf_modules(model, classes)
     return (
         f"DeepSpeed (ZeRO-3): each {names} gathers its weights as one unit (a ZeRO-3 leaf module), so "
         "that a compiled block runs as one graph"
     )
+
+
+def _blocks_to_gather(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (HF's ``_no_split_modules`` name embeddings and whole encoders too) of a class
+    with two or more of them, none holding an embedding."""
+    blocks = repeated_blocks(model)
+    counts = Counter(type(b) for b in blocks)
+    return [
+        b for b in blocks if counts[type(b)] > 1 and not any(isinstance(m, nn.Embedding) for m in b.modules())
+    ]
 
 
 def _transformers_deepspeed_config() -> dict[str, Any] | None:

@@ -165,3 +165,35 @@ def test_a_model_with_frozen_parameters_is_gathered_layer_by_layer_under_zero3(n
     report = patch_model(lora)
     assert not any(z3_leaf_module(m) for m in lora.modules())
     assert any("gather their weights layer by layer, as the model has frozen" in n for n in report.notes)
+
+
+def test_only_repeated_blocks_without_an_embedding_are_gathered_whole(no_deepspeed, monkeypatch):
+    """HF's _no_split_modules names ModernBERT's embeddings beside its layers: gathered whole, the
+    embeddings (whose input, token ids, needs no gradient) would fail DeepSpeed's gradient reduction."""
+    from deepspeed.utils import z3_leaf_module
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    config = AutoConfig.for_model(
+        "modernbert", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+        vocab_size=128, **ids,
+    )  # fmt: skip
+    model = AutoModelForMaskedLM.from_config(config)
+    assert "ModernBertEmbeddings" in model._no_split_modules
+    patch_model(model)
+    leaves = [name for name, m in model.named_modules() if z3_leaf_module(m)]
+    assert leaves == ["model.layers.0", "model.layers.1"]
+
+
+def test_a_patched_model_is_checked_again_when_zero_shows_later(no_deepspeed, monkeypatch):
+    """Patched with a recipe ZeRO cannot honour before DeepSpeed showed: patching again under ZeRO (the
+    Trainer callback and prepare_fp8 do) refuses it rather than training on."""
+    model = tm.build("llama")
+    patch_model(model, {"nan_policy": "skip_step"})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="nan_policy skip_step cannot be honoured under DeepSpeed"):
+        patch_model(model)
+    with pytest.raises(ValueError, match="nan_policy skip_step cannot be honoured under DeepSpeed"):
+        hf_fp8.Fp8NanGuard(model)
