@@ -28,6 +28,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,7 +125,9 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     return result
 
 
-def resume_check(engine, step, generator: torch.Generator, args: argparse.Namespace) -> dict:
+def resume_check(
+    engine: Any, step: Callable[[], torch.Tensor], generator: torch.Generator, args: argparse.Namespace
+) -> dict:
     """Save a checkpoint (DeepSpeed's: weights, optimizer state; hf-fp8's FP8 state), train
     ``args.resume_check`` steps, load the checkpoint and train the same steps on the same batches again.
     Equal losses and FP8 state both times: the checkpoint resumes the run exactly."""
