@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO: the stage a run will shard with, as far as it shows before ``deepspeed.initialize``,
 the recipe keys ZeRO cannot honour (refused by :func:`hf_fp8.patch_model` before the model changes), and
-ZeRO-3's gathers made one a decoder block.
+ZeRO-3's weight gathers made one per decoder block.
 
 What trains under ZeRO 1, 2 and 3 needs nothing from here: the FP8 layers compute inside the forward and
 backward that ZeRO wraps (ZeRO-3 gathers a module's weights before it runs), the step's amaxes are
