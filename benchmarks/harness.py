@@ -316,9 +316,10 @@ def add_sharded_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...
 
 
 def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace) -> dict:
-    """Run ``step`` ``args.warmup`` times, then time ``args.steps`` steps (wall clock, synchronised):
-    the median step in seconds, every loss, the warm-up's seconds and peak memory (GiB), and the peak
-    of the timed steps alone."""
+    """Run ``step`` ``args.warmup`` times, then time ``args.steps`` steps (wall clock, synchronised) of
+    ``args.batch`` x ``args.seq`` tokens a rank: tokens/s per GPU and the median step's ms, the peak
+    memory (GiB) of the timed steps alone and of the warm-up, the warm-up's seconds, the last loss and
+    every loss: the fields of a sharded benchmark's result."""
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -338,12 +339,15 @@ def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace) -> di
         if index >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    seconds = statistics.median(times)
     return {
-        "seconds": statistics.median(times),
-        "losses": losses,
-        "warmup_s": warmup_s,
-        "warmup_peak_gib": warmup_peak_gib,
+        "tokens_per_s_per_gpu": args.batch * args.seq / seconds,
+        "ms_per_step": seconds * 1e3,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "warmup_peak_gib": warmup_peak_gib,
+        "warmup_s": warmup_s,
+        "loss": losses[-1],
+        "losses": losses,
     }
 
 
