@@ -36,7 +36,7 @@ from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.patching.patch_state import get_state
-from hf_fp8.patching.zero import gather_blocks_whole
+from hf_fp8.patching.zero import gather_blocks_whole, zero_stage
 
 __all__ = ["compile_model"]
 
@@ -73,7 +73,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             "backend='native' for the compiled fast path"
         )
     _announce_emulation(model)
-    if (gathered := gather_blocks_whole(model)) is not None and state is not None:  # under ZeRO-3
+    gathered = gather_blocks_whole(model, zero_stage(model))  # under ZeRO-3
+    if gathered is not None and state is not None:
         state.report.notes.append(gathered)
     # The HF model itself (a PEFT model forwards attributes to it, but calls it with **kwargs).
     hf_model = next(

@@ -32,12 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 
 from hf_fp8.backends.base import data_parallel_refusal
-from hf_fp8.backends.registry import (
-    backend_class,
-    backend_for_data_parallel,
-    backend_for_fsdp,
-    backend_for_zero,
-)
+from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.integrations.guard import Fp8NanGuard
@@ -295,11 +290,12 @@ def _checkpointing_requested(args: Any) -> bool:
 def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
     Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
-    arguments, a backend that trains sharded; with ``deepspeed``, one that trains under ZeRO."""
+    arguments, a backend that trains sharded; under DeepSpeed, as asked: ``patch_model`` sees the ZeRO
+    stage too and chooses (or refuses) the backend for it."""
     if getattr(args, "fsdp", None):
         return backend_for_fsdp(backend)
     if getattr(args, "deepspeed", None) or zero_stage() is not None:
-        return backend_for_zero(backend)
+        return backend
     if _data_parallel(args):
         return backend_for_data_parallel(backend)
     if backend != "auto":

@@ -81,9 +81,9 @@ def patch_model(
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
-        _check_zero(model, state.recipe, state.backend.name)  # patched before DeepSpeed showed
+        stage, _ = _check_zero(model, state.recipe, state.backend.name)  # patched before DeepSpeed showed
         report = _walk(model, state.backend, convert=False)[0]
-        if (gathered := gather_blocks_whole(model)) is not None:  # the model may have changed (PEFT)
+        if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
     unmatched = _unmatched_patterns(model, recipe)
@@ -113,7 +113,7 @@ def patch_model(
         raise
     set_state(model, state)
     state.handles += forward_hooks.install(model)
-    if stage == 3 and (gathered := gather_blocks_whole(model)) is not None:
+    if (gathered := gather_blocks_whole(model, stage)) is not None:
         report.notes.append(gathered)
     return report
 

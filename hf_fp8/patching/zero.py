@@ -80,12 +80,13 @@ def zero_refusal(recipe: Fp8Recipe, stage: int) -> str | None:
     return None
 
 
-def gather_blocks_whole(model: nn.Module) -> str | None:
-    """Under ZeRO-3, make each of ``model``'s decoder blocks a DeepSpeed leaf module, so that ZeRO-3
-    gathers and frees a block's weights at once and hooks nothing inside it; or, where the model has
-    frozen parameters (LoRA), keep or put the blocks back to DeepSpeed's gathers layer by layer. Call it
-    again when the model changes (a patched model wrapped in PEFT later): ``patch_model`` does on a
-    patched model, as the Trainer callback and ``prepare_fp8`` call it.
+def gather_blocks_whole(model: nn.Module, stage: int | None) -> str | None:
+    """Under ZeRO-3 (``stage``, as :func:`zero_stage` gives it), make each of ``model``'s decoder blocks
+    a DeepSpeed leaf module, so that ZeRO-3 gathers and frees a block's weights at once and hooks nothing
+    inside it; or, where the model has frozen parameters (LoRA), keep or put the blocks back to
+    DeepSpeed's gathers layer by layer. Call it again when the model changes (a patched model wrapped in
+    PEFT later): ``patch_model`` does on a patched model, as the Trainer callback and ``prepare_fp8``
+    call it.
 
     DeepSpeed reduces a leaf module's gradients when the gradient of its input is ready, and for a module
     whose input needs no gradient (the first block after frozen embeddings, or the embeddings themselves)
@@ -97,8 +98,10 @@ def gather_blocks_whole(model: nn.Module) -> str | None:
     ZeRO-3 shows, no such blocks, the blocks are leaves already). Warns, changing nothing, where
     ``deepspeed.initialize`` has already hooked the modules inside the blocks.
     """
+    if stage != 3:
+        return None
     blocks = _blocks_to_gather(model)
-    if not blocks or zero_stage(model) != 3:
+    if not blocks:
         return None
     try:
         from deepspeed.utils import set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
