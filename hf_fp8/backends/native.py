@@ -26,6 +26,7 @@ from hf_fp8.layers.fp8_scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_sc
 from hf_fp8.layers.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
 from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
+from hf_fp8.layers.shared_inputs import SharedInputCasts
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
 from hf_fp8.numerics.blockwise import EMULATED, block_kernels_available
@@ -51,6 +52,7 @@ class NativeBackend(Fp8Backend):
         # fp8_weights: FP8 modules whose weights are not stored in FP8 yet (they are not while they train).
         self.unquantized: list[Fp8Scaled] = []
         self.watch = NonFiniteWatch()
+        self.shared_inputs: SharedInputCasts | None = None
 
     @classmethod
     def usable(cls, device: torch.device) -> tuple[bool, str]:
@@ -80,6 +82,7 @@ class NativeBackend(Fp8Backend):
     ) -> list[RemovableHandle]:
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
+        self.shared_inputs = SharedInputCasts(named)
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
         experts = [m for m in self.layers if isinstance(m, Fp8Experts)]
@@ -188,7 +191,7 @@ class NativeBackend(Fp8Backend):
         self.watch.poll()
         _fold_replica_records(self.layers)
         named = [(n, m) for n, m in zip(self.names, self.layers, strict=True) if not m.amax_history.is_meta]
-        self.watch.submit(end_native_step([m for _, m in named], group), named)
+        self.watch.submit(end_native_step([m for _, m in named], group, self.shared_inputs), named)
 
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         super().set_recipe(recipe)
@@ -276,9 +279,12 @@ def update_fp8_scales(model: nn.Module, group: dist.ProcessGroup | None = None) 
 
 
 @torch.no_grad()
-def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) -> torch.Tensor | None:
+def end_native_step(
+    layers: list[Fp8Scaled], group: dist.ProcessGroup | None, shared_inputs: SharedInputCasts | None = None
+) -> torch.Tensor | None:
     """:func:`update_fp8_scales` for given FP8 layers and group (``None``: no reduction); returns, per
     layer and role in order (flat), whether its newest amax was non-finite (``None`` without layers).
+    ``shared_inputs``: the layers that cast one input with one scale, whose newest amaxes are made one.
 
     Layers whose recipe and state tensors (device, shape) agree are advanced together: their
     state is stacked, updated with one set of kernels and copied back, so a step's end costs a few
@@ -292,6 +298,8 @@ def end_native_step(layers: list[Fp8Scaled], group: dist.ProcessGroup | None) ->
     newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
     _record_gathered_weight_scales(layers)
     bad = ~torch.isfinite(newest)
+    if shared_inputs is not None:
+        shared_inputs.step_end()
     batches: dict[tuple, list[Fp8Scaled]] = {}
     for layer in layers:
         history = layer.amax_history

@@ -28,7 +28,7 @@ from hf_fp8.layers.stored_weight import Fp8GatheredWeight, Fp8StoredWeight
 from hf_fp8.numerics.blockwise import block_linear
 from hf_fp8.numerics.gemm import fp8_linear
 from hf_fp8.numerics.rowwise import rowwise_linear
-from hf_fp8.numerics.scaling import ROLES, WEIGHT
+from hf_fp8.numerics.scaling import INPUT, ROLES, WEIGHT
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Conv1D", "Fp8Linear", "Fp8Module"]
@@ -41,6 +41,8 @@ class Fp8Module(Fp8Scaled):
     FORWARD_ROLES = 2
     # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)
     forward_in_fp8: bool = True
+    # A layer that reads the same input and whose input scale this one casts with (see share_input_scale)
+    input_scale_source: Fp8Module | None = None
 
     def _adopt(self, source: nn.Module, recipe: Fp8Recipe | None, forward_in_fp8: bool) -> None:
         """Take over ``source``'s weight and bias (the same Parameter objects, in its very parameter
@@ -103,6 +105,19 @@ class Fp8Module(Fp8Scaled):
         torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
         if not in_blocks:
             self.scale[WEIGHT] = stored._scale  # what the GEMMs apply (they record no scale for it)
+
+    def share_input_scale(self, source: Fp8Module | None) -> None:
+        """Cast the input with ``source``'s stored input scale (``None``: this layer's own) once a step
+        has shown that both read the same tensor (:mod:`hf_fp8.layers.shared_inputs`): the values are
+        equal, and one buffer lets a compiled block cast the input once for both. Kept outside the
+        submodules, as ``float_module`` is."""
+        object.__setattr__(self, "input_scale_source", source)
+
+    def record_replica(self) -> None:
+        """An nn.DataParallel replica casts with its own input scale: the source's is on the first GPU
+        (the value is the same)."""
+        super().record_replica()
+        self.share_input_scale(None)
 
     def store_weights_in_fp8(self) -> None:
         """:meth:`quantize_weight_`, under the name every native FP8 module answers to."""
@@ -179,6 +194,7 @@ class Fp8Module(Fp8Scaled):
                 return rowwise_linear(
                     x, plain, bias, self.amax_history, self.scale, record, config, gw_in_fp8
                 )
+            source = self.input_scale_source
             return fp8_linear(
                 x,
                 weight,
@@ -190,6 +206,7 @@ class Fp8Module(Fp8Scaled):
                 record,
                 config,
                 self.cast_counts,
+                source.scale if source is not None and config.stored_scales[INPUT] else None,
             )
 
     def _fp8_repr(self) -> str:

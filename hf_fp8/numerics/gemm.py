@@ -66,6 +66,7 @@ def fp8_linear(
     record: bool,
     config: GemmConfig,
     cast_counts: torch.Tensor | None = None,
+    input_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with all three GEMMs in FP8.
 
@@ -74,7 +75,9 @@ def fp8_linear(
     ``weight_fp8`` and ``weight_scale`` are given when the weight is already in FP8 (stored frozen, or
     all-gathered so by FSDP2): its values and scale, used as they are; ``weight`` then only receives
     the gradient. ``cast_counts``, when given, counts what every cast of a recorded call does (see
-    :class:`hf_fp8.layers.layer_scaling.CountsCasts`).
+    :class:`hf_fp8.layers.layer_scaling.CountsCasts`). ``input_scales``, when given, are another layer's
+    scales whose stored input scale (equal to this layer's) ``x`` is cast with: layers that read one
+    input then cast it with one buffer, which a compiled graph does once for all of them.
     """
     # Flattened and reshaped outside the Function: its output is then no view, so the caller may
     # change it in place (Falcon adds the attention output into the MLP's).
@@ -89,6 +92,7 @@ def fp8_linear(
         record,
         config,
         cast_counts,
+        input_scales,  # not `scale` when None: one tensor twice among the inputs breaks Dynamo's trace
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -107,13 +111,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         record: bool,
         config: GemmConfig,
         cast_counts: torch.Tensor | None,
+        input_scales: torch.Tensor | None,
     ) -> torch.Tensor:
 
         fmt = config.forward_format
         needs_x_grad, needs_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_fp8 = x_inverse = None
         if config.forward_in_fp8 or needs_w_grad:
-            x_scale, x_fp8 = quantize(x, INPUT, fmt, amax_history, scale, config, record, cast_counts)
+            x_scales = scale if input_scales is None else input_scales
+            x_scale, x_fp8 = quantize(x, INPUT, fmt, amax_history, x_scales, config, record, cast_counts)
             x_inverse = x_scale.reciprocal()
         if weight_fp8 is not None:  # already in FP8: no cast, no amax
             w_scale, w_fp8 = weight_scale, weight_fp8
@@ -198,7 +204,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = fp8_mm(dy_t, x_t.t(), dy_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("hf_fp8::column_major_copy", mutates_args=())

@@ -1,0 +1,85 @@
+"""One FP8 cast for layers that read the same input (q/k/v, gate/up) under delayed scaling.
+
+q, k and v each cast the same normed hidden state, and gate and up another. Each layer records that
+tensor's amax into its own history and derives its own scale from it, so the scales are equal, but they
+live in different buffers: a compiled block sees three different casts and makes three FP8 copies of the
+input (and keeps three transposed ones for the weight gradients). Casting with one buffer makes the
+casts a single expression, which the compiler merges into one kernel and one saved copy.
+
+Which layers read one input is learned, not guessed from names: sibling layers (one parent module; a
+PEFT wrapper's ``base_layer`` counts as its wrapper) whose input amaxes were bit for bit equal in the
+first step form a group. From then on every member casts with its first member's input scale, and at each
+step's end every member records the largest input amax of the group before the scales are updated. For
+layers that read one tensor that changes nothing (their amaxes are equal anyway); for siblings that only
+seemed to (equal amaxes by chance) it keeps each member's scale the one it casts with, and safe for every
+member's input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hf_fp8.layers.linear import Fp8Module
+from hf_fp8.numerics.scaling import INPUT
+
+__all__ = ["SharedInputCasts"]
+
+
+class SharedInputCasts:
+    """The groups of a patched model's FP8 layers that share their input's cast (see the module)."""
+
+    def __init__(self, named_layers: list[tuple[str, torch.nn.Module]]) -> None:
+        self.candidates = _sibling_candidates(named_layers)
+        self.groups: list[list[Fp8Module]] = []
+        self.decided = not self.candidates
+
+    @torch.no_grad()
+    def step_end(self) -> None:
+        """Called at a step's end, after the step's amaxes are reduced over the ranks and before they
+        become scales: forms the groups at the first step's end, then makes each group's newest input
+        amaxes equal (the largest)."""
+        if not self.decided:
+            self._form_groups()
+        for position in range(1, max((len(g) for g in self.groups), default=0)):
+            longer = [g for g in self.groups if len(g) > position]
+            # one pass per position: a fused kernel must not meet a group's first member twice
+            torch._foreach_maximum_([_newest(g[0]) for g in longer], [_newest(g[position]) for g in longer])
+        members = [(m, g[0]) for g in self.groups for m in g[1:]]
+        if members:
+            torch._foreach_copy_([_newest(m) for m, _ in members], [_newest(first) for _, first in members])
+
+    def _form_groups(self) -> None:
+        """Split each set of candidate siblings by their newest input amax, in one read to the host, once:
+        layers that did not run in the first step keep casting on their own."""
+        amaxes = torch.stack([_newest(m)[0] for c in self.candidates for m in c]).tolist()
+        start = 0
+        for candidate in self.candidates:
+            seen = amaxes[start : start + len(candidate)]
+            start += len(candidate)
+            by_amax: dict[float, list[Fp8Module]] = {}
+            for module, amax in zip(candidate, seen, strict=True):
+                if amax > 0 and math.isfinite(amax):
+                    by_amax.setdefault(amax, []).append(module)
+            for group in by_amax.values():
+                if len(group) > 1:
+                    self.groups.append(group)
+                    for member in group[1:]:
+                        member.share_input_scale(group[0])
+        self.candidates, self.decided = [], True
+
+
+def _newest(module: Fp8Module) -> torch.Tensor:
+    """The slot of ``module``'s history that holds its input's amax of the current step (a view)."""
+    return module.amax_history[INPUT, :1]
+
+
+def _sibling_candidates(named_layers: list[tuple[str, torch.nn.Module]]) -> list[list[Fp8Module]]:
+    """Sets of two or more delayed-scaling FP8 linear layers under one parent whose forward casts its
+    input."""
+    by_parent: dict[str, list[Fp8Module]] = {}
+    for name, layer in named_layers:
+        if isinstance(layer, Fp8Module) and layer.forward_in_fp8 and layer.recipe.scaling == "delayed":
+            by_parent.setdefault(name.removesuffix(".base_layer").rpartition(".")[0], []).append(layer)
+    return [layers for layers in by_parent.values() if len(layers) > 1]
