@@ -113,12 +113,6 @@ class Fp8Module(Fp8Scaled):
         submodules, as ``float_module`` is."""
         object.__setattr__(self, "input_scale_source", source)
 
-    def record_replica(self) -> None:
-        """An nn.DataParallel replica casts with its own input scale: the source's is on the first GPU
-        (the value is the same)."""
-        super().record_replica()
-        self.share_input_scale(None)
-
     def store_weights_in_fp8(self) -> None:
         """:meth:`quantize_weight_`, under the name every native FP8 module answers to."""
         self.quantize_weight_()
@@ -194,7 +188,9 @@ class Fp8Module(Fp8Scaled):
                 return rowwise_linear(
                     x, plain, bias, self.amax_history, self.scale, record, config, gw_in_fp8
                 )
+            # the source's scale where it lives on x's device (not for nn.DataParallel's other replicas)
             source = self.input_scale_source
+            shared = source is not None and config.stored_scales[INPUT] and source.scale.device == x.device
             return fp8_linear(
                 x,
                 weight,
@@ -206,7 +202,7 @@ class Fp8Module(Fp8Scaled):
                 record,
                 config,
                 self.cast_counts,
-                source.scale if source is not None and config.stored_scales[INPUT] else None,
+                source.scale if shared else None,
             )
 
     def _fp8_repr(self) -> str:
