@@ -11,6 +11,8 @@ batch 4 x 2048, AdamW fused at lr 1e-5 on one repeated batch (``harness.py``'s `
   bf16-regional    ``hf_fp8.compile(model)`` without FP8 (block by block)
   hf-fp8           ``patch_model(model)`` (the default recipe) + ``hf_fp8.compile``
   hf-fp8-fastest   ``patch_model(model, "head-backward")`` + ``hf_fp8.compile``
+  hf-fp8-experts-bf16  the default recipe with MoE experts kept in BF16 (``modules_to_not_convert:
+                   [experts]``) + ``hf_fp8.compile``: the experts' share of an MoE family's difference
   torchao          torchao's tensorwise float8 training on the decoder + ``torch.compile(model)`` (its
                    own path only, with --torchao-path)
 
@@ -33,7 +35,7 @@ import torch
 from harness import measure, training_flops
 from processes import run_script
 
-ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "torchao")
+ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "hf-fp8-experts-bf16", "torchao")
 
 # family: (config class, its keyword arguments at about 1B width, layers); each a published model's
 # layer shape where one exists at that width
@@ -123,7 +125,11 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
     elif row == "bf16-regional":
         hf_fp8.compile(model, **backend)
     elif row.startswith("hf-fp8"):
-        hf_fp8.patch_model(model, "head-backward" if row == "hf-fp8-fastest" else None, backend="native")
+        recipe = {
+            "hf-fp8-fastest": hf_fp8.Fp8Recipe.named("head-backward"),
+            "hf-fp8-experts-bf16": hf_fp8.Fp8Recipe(modules_to_not_convert=["experts"]),
+        }.get(row)
+        hf_fp8.patch_model(model, recipe, backend="native")
         hf_fp8.compile(model, **backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     result = measure(step_model, optimizer, contextlib.nullcontext, args, flops)
@@ -133,7 +139,8 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="all", help=f"comma-separated, or all: {', '.join(FAMILIES)}")
-    parser.add_argument("--rows", default=",".join(ROWS[:-1]), help=f"comma-separated of {', '.join(ROWS)}")
+    default_rows = ",".join(r for r in ROWS if r not in ("hf-fp8-experts-bf16", "torchao"))
+    parser.add_argument("--rows", default=default_rows, help=f"comma-separated of {', '.join(ROWS)}")
     parser.add_argument("--torchao-path", help="a folder holding torchao, put on the torchao row's path only")
     parser.add_argument("--out", help="append every result as a JSON line here")
     parser.add_argument("--batch", type=int, default=4)
