@@ -11,8 +11,8 @@ batch 4 x 2048, AdamW fused at lr 1e-5 on one repeated batch (``harness.py``'s `
   bf16-regional    ``hf_fp8.compile(model)`` without FP8 (block by block)
   hf-fp8           ``patch_model(model)`` (the default recipe) + ``hf_fp8.compile``
   hf-fp8-fastest   ``patch_model(model, "head-backward")`` + ``hf_fp8.compile``
-  hf-fp8-experts-bf16  the default recipe with MoE experts kept in BF16 (``modules_to_not_convert:
-                   [experts]``) + ``hf_fp8.compile``: the experts' share of an MoE family's difference
+  hf-fp8-experts-fp8  the default recipe with MoE experts in FP8 too (``convert_experts: true``) +
+                   ``hf_fp8.compile``: what FP8 experts (grouped E4M3 GEMMs) do to an MoE family
   torchao          torchao's tensorwise float8 training on the decoder + ``torch.compile(model)`` (its
                    own path only, with --torchao-path)
 
@@ -35,7 +35,7 @@ import torch
 from harness import measure, training_flops
 from processes import run_script
 
-ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "hf-fp8-experts-bf16", "torchao")
+ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "hf-fp8-experts-fp8", "torchao")
 
 # family: (config class, its keyword arguments at about 1B width, layers); each a published model's
 # layer shape where one exists at that width
@@ -127,7 +127,7 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
     elif row.startswith("hf-fp8"):
         recipe = {
             "hf-fp8-fastest": hf_fp8.Fp8Recipe.named("head-backward"),
-            "hf-fp8-experts-bf16": hf_fp8.Fp8Recipe(modules_to_not_convert=["experts"]),
+            "hf-fp8-experts-fp8": hf_fp8.Fp8Recipe(convert_experts=True),
         }.get(row)
         hf_fp8.patch_model(model, recipe, backend="native")
         hf_fp8.compile(model, **backend)
@@ -139,7 +139,7 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="all", help=f"comma-separated, or all: {', '.join(FAMILIES)}")
-    default_rows = ",".join(r for r in ROWS if r not in ("hf-fp8-experts-bf16", "torchao"))
+    default_rows = ",".join(r for r in ROWS if r not in ("hf-fp8-experts-fp8", "torchao"))
     parser.add_argument("--rows", default=default_rows, help=f"comma-separated of {', '.join(ROWS)}")
     parser.add_argument("--torchao-path", help="a folder holding torchao, put on the torchao row's path only")
     parser.add_argument("--out", help="append every result as a JSON line here")

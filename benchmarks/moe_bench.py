@@ -5,12 +5,12 @@
 Mixtral-8x7B's layer shape (hidden 4096, experts of 14336, top-2 of 8, 32 heads over 8 KV heads),
 ``--layers`` layers, batch 4 x 2048 by default, AdamW fused. ``bf16-grouped`` runs transformers'
 ``grouped_mm`` experts implementation (one grouped BF16 GEMM per projection), ``bf16-eager`` its
-per-expert loop, ``hf-fp8`` the native backend's FP8 experts with the attention projections in FP8 too
-(default recipe, hybrid: the experts in E4M3 throughout, all six GEMMs grouped; the attention's
+per-expert loop, ``hf-fp8`` the native backend's FP8 experts (``convert_experts: true``) with the attention
+projections in FP8 too (hybrid: the experts in E4M3 throughout, all six GEMMs grouped; the attention's
 gradients in E5M2), and ``hf-fp8-e4m3`` the same with ``format: e4m3`` everywhere.
 ``bf16-grouped-compile``, ``hf-fp8-compile`` and ``hf-fp8-e4m3-compile`` add ``hf_fp8.compile`` (block by
-block; ``--compile-backend`` picks the backend); ``hf-fp8-experts-bf16-compile`` keeps the experts in
-BF16 (the attention in FP8), to tell the experts' share of a difference from the rest's.
+block; ``--compile-backend`` picks the backend); ``hf-fp8-experts-bf16-compile`` is the default recipe,
+which keeps the experts in BF16 (on ``grouped_mm``) and runs the attention in FP8.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def build(layers: int, experts_implementation: str, tiny: bool, device: str) -> 
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    grouped = mode.startswith("bf16-grouped")
+    grouped = mode.startswith("bf16-grouped") or "experts-bf16" in mode
     model = build(args.layers, "grouped_mm" if grouped else "eager", args.tiny, args.device)
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 2 // 8  # top-2 of 8
     flops = training_flops(model, args.batch, args.seq) + 6.0 * routed * args.batch * args.seq
     if mode.startswith("hf-fp8"):
-        kept = ["experts"] if "experts-bf16" in mode else []
-        recipe = hf_fp8.Fp8Recipe(format="e4m3" if "e4m3" in mode else "hybrid", modules_to_not_convert=kept)
+        fmt = "e4m3" if "e4m3" in mode else "hybrid"
+        recipe = hf_fp8.Fp8Recipe(format=fmt, convert_experts="experts-bf16" not in mode)
         hf_fp8.patch_model(model, recipe)
     if mode.endswith("-compile"):
         hf_fp8.compile(model, backend=args.compile_backend)

@@ -71,6 +71,11 @@ class Fp8Recipe:
             embeddings: ``True`` runs their three GEMMs in FP8; ``"backward"`` keeps the forward GEMM (the
             logits) in high precision and runs the two backward GEMMs in FP8 (native backend). Off by
             default: the logits feed the loss directly and are sensitive to rounding.
+        convert_experts: also run MoE experts (transformers' 3-D experts modules) in FP8, every tensor in
+            E4M3, through grouped FP8 GEMMs. Off by default: on Hopper (torch 2.11) the grouped FP8 GEMM and
+            its casts made a compiled step slower than BF16 experts at every MoE shape measured (OLMoE,
+            Qwen3-MoE, Mixtral at 2048 wide: 0.79-0.97x), and the experts' FP8 costs loss. The LoRA
+            recipes turn it on: frozen experts stored in FP8 take half the memory.
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
         nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
             amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and
@@ -90,6 +95,7 @@ class Fp8Recipe:
     pad_to_multiple: int = 16
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool | str = False
+    convert_experts: bool = False
     use_during_eval: bool = False
     nan_policy: NanPolicy = "raise"
 
@@ -297,8 +303,8 @@ RECIPES: dict[str, Fp8Recipe] = {
     # in BF16 (SmolLM2-135M on Shakespeare, GPU: final loss +0.69% of BF16's; the head's forward in FP8
     # as well: +1.02%).
     "head-backward": Fp8Recipe(convert_lm_head="backward"),
-    # LoRA: frozen base weights stored in FP8, adapters in high precision.
-    "lora-fp8": Fp8Recipe(fp8_weights=True),
+    # LoRA: frozen base weights stored in FP8 (MoE experts' too), adapters in high precision.
+    "lora-fp8": Fp8Recipe(fp8_weights=True, convert_experts=True),
     # Full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend).
     "fsdp-fp8": Fp8Recipe(fp8_all_gather=True),
     # A scale per row of each GEMM operand, from its own amax (torchao's row-wise recipes).
@@ -311,7 +317,7 @@ RECIPES: dict[str, Fp8Recipe] = {
     "block-head": Fp8Recipe(format="e4m3", scaling="block", convert_lm_head=True),
     # LoRA over frozen base weights stored in FP8 with a scale per 128x128 block: the layout of
     # fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8), which load into it without a BF16 copy.
-    "lora-fp8-block": Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True),
+    "lora-fp8-block": Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True, convert_experts=True),
 }
 
 

@@ -124,6 +124,7 @@ _VALIDATORS = {
     "amax_compute_algo": _choice(AmaxComputeAlgo),
     "interval": lambda n, v: _expect_int(n, v, 1, MAX_INTERVAL, _INTERVAL_WHY),
     "fp8_weights": _expect_bool,
+    "convert_experts": _expect_bool,
     "fp8_all_gather": _expect_bool,
     "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,

@@ -233,7 +233,9 @@ def test_named_recipes_match_shipped_yaml_files():
         assert Fp8Recipe.from_yaml(path) == Fp8Recipe.named(name), name
     assert Fp8Recipe.named("conservative").margin == 1
     assert Fp8Recipe.named("lora-fp8").fp8_weights
-    assert Fp8Recipe.named("lora-fp8-block") == Fp8Recipe.named("block").replace(fp8_weights=True)
+    assert Fp8Recipe.named("lora-fp8-block") == Fp8Recipe.named("block").replace(
+        fp8_weights=True, convert_experts=True
+    )
     assert Fp8Recipe.named("fsdp-fp8").fp8_all_gather
     assert Fp8Recipe.named("current-scaling").scaling == "current"
     assert Fp8Recipe.named("head-backward") == Fp8Recipe(convert_lm_head="backward")

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, T5ForConditionalGeneration
 
 from hf_fp8.layers.experts import Fp8Experts
+from hf_fp8.layers.selection import EXPERTS_KEPT
 
 VOCAB = 256
 _DECODER = dict(
@@ -201,10 +202,11 @@ EXPECTED = {
     "bert": (13, {}, {"layernorm": 5}),
     # encoder: 4 attention + 2 FF per layer; decoder: 4 self + 4 cross + 2 FF per layer
     "t5": (32, {TIED: 1}, {"rmsnorm": 12}),
-    # attention and the experts (3-D weights, one module a layer); routers are not nn.Linear in transformers 5
-    "mixtral": (10, {OUTPUT_HEAD: 1, ROUTER: 2}, {"rmsnorm": 5}),
-    # attention, the experts and the shared expert's MLP; its 1-output gate is too small
-    "qwen2_moe": (16, {OUTPUT_HEAD: 1, ROUTER: 2, DIMS_64_1: 2}, {"rmsnorm": 5}),
+    # attention; the experts (3-D weights, one module a layer) only with convert_experts; routers are not
+    # nn.Linear in transformers 5
+    "mixtral": (8, {OUTPUT_HEAD: 1, ROUTER: 2, EXPERTS_KEPT: 2}, {"rmsnorm": 5}),
+    # attention and the shared expert's MLP; its 1-output gate is too small
+    "qwen2_moe": (14, {OUTPUT_HEAD: 1, ROUTER: 2, DIMS_64_1: 2, EXPERTS_KEPT: 2}, {"rmsnorm": 5}),
 }
 
 

@@ -90,7 +90,7 @@ class NativeBackend(Fp8Backend):
             report.notes.append(
                 f"MoE experts ({len(experts)} module(s)) run every tensor in E4M3, their gradients too "
                 f"(format {self.recipe.format!r} elsewhere): cuBLAS's grouped FP8 GEMM takes E4M3 only, "
-                "and DeepSeek-V3 trains its experts so; modules_to_not_convert: ['experts'] keeps them in "
+                "and DeepSeek-V3 trains its experts so; convert_experts: false keeps them in "
                 "high precision"
             )
         if not self.recipe.tensorwise and experts:

@@ -20,16 +20,28 @@ import hf_fp8
 from hf_fp8.layers.experts import Fp8Experts
 from hf_fp8.patching.step import set_recipe
 
+EXPERTS = hf_fp8.Fp8Recipe(convert_experts=True)  # the default recipe keeps experts in high precision
+
 
 def text_batches(steps: int, batch: int = 4, length: int = 32) -> list[dict[str, torch.Tensor]]:
     return demo_data.text_batches(steps, batch, length)
+
+
+def test_the_default_recipe_keeps_experts_in_high_precision_and_says_why():
+    model = build("mixtral")
+    report = hf_fp8.patch_model(model)
+    assert not experts_of(model)
+    kept = [r for r in report.skipped if r.kind == "experts"]
+    assert len(kept) == 4 and all("convert_experts: true" in r.reason for r in kept)
+    assert any(isinstance(m, hf_fp8.Fp8Linear) for m in model.modules()), "the attention still in FP8"
+    assert hf_fp8.Fp8Recipe.named("lora-fp8").convert_experts
 
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))
 def test_experts_convert_and_most_gemm_flops_run_in_fp8(arch):
     model = build(arch)
     originals = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    report = hf_fp8.patch_model(model)
+    report = hf_fp8.patch_model(model, EXPERTS)
     converted = experts_of(model)
     assert len(converted) == len(originals) == 4
     for fp8, original in zip(converted, originals, strict=True):
@@ -47,7 +59,7 @@ def test_forward_and_backward_match_high_precision(arch):
     direction (E5M2 gradients have two mantissa bits)."""
     model = build(arch)
     reference = copy.deepcopy(model)
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     batch = tm.batch_for("llama", 32)
     with ScaledMmCalls() as mm:
         loss = model(**batch).loss
@@ -71,7 +83,7 @@ def test_full_training_of_an_moe_model_follows_high_precision(arch):
     batches = text_batches(25)
     reference = tm.train(build(arch), batches, lr=3e-3)
     model = build(arch)
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     losses = tm.train(model, batches, lr=3e-3)
     assert reference[-1] < 0.9 * reference[0], "the high-precision model learns"
     assert sum(losses[-5:]) / 5 == pytest.approx(sum(reference[-5:]) / 5, rel=0.02)
@@ -80,7 +92,7 @@ def test_full_training_of_an_moe_model_follows_high_precision(arch):
 def test_experts_keep_hf_keys_and_round_trip_through_save_and_load(tmp_path):
     model = build("mixtral")
     keys = set(model.state_dict())
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     assert set(model.state_dict()) == keys
     model.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -92,7 +104,7 @@ def test_experts_keep_hf_keys_and_round_trip_through_save_and_load(tmp_path):
 
 def test_experts_scaling_state_is_checkpointed_and_synced_like_linear_layers(tmp_path):
     model = build("qwen3_moe")
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     for step in range(2):
         model(**tm.batch_for("llama", 32, seed=step)).loss.backward()
     experts = experts_of(model)[0]
@@ -100,14 +112,14 @@ def test_experts_scaling_state_is_checkpointed_and_synced_like_linear_layers(tmp
     assert (experts.scale > 0).all() and all(experts.stored_scales)
     path = hf_fp8.save_fp8_state(model, tmp_path)
     fresh = build("qwen3_moe")
-    hf_fp8.patch_model(fresh)
+    hf_fp8.patch_model(fresh, EXPERTS)
     hf_fp8.load_fp8_state(fresh, path.parent)
     assert torch.equal(experts_of(fresh)[0].amax_history, experts.amax_history)
 
 
 def test_unpatch_gives_back_the_parameters_the_experts_hold_now():
     model = build("mixtral")
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     experts = experts_of(model)[0]
     replacement = torch.nn.Parameter(torch.zeros_like(experts.down_proj))
     experts.down_proj = replacement  # as load_state_dict(assign=True) or FSDP would
@@ -117,7 +129,7 @@ def test_unpatch_gives_back_the_parameters_the_experts_hold_now():
 
 def test_model_half_keeps_the_experts_state_float32():
     model = build("olmoe")
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     model.half()
     experts = experts_of(model)[0]
     assert experts.gate_up_proj.dtype == torch.float16 and experts.amax_history.dtype == torch.float32
@@ -161,7 +173,7 @@ def test_experts_run_in_e4m3_under_every_format_and_the_report_says_so():
     six GEMMs grouped, compiled like the rest), the other layers keep E5M2 gradients; a margin the NaN
     guard raises reaches the experts as well."""
     model = build("mixtral")
-    report = hf_fp8.patch_model(model)
+    report = hf_fp8.patch_model(model, EXPERTS)
     experts = experts_of(model)
     assert all(m.recipe.format == "e4m3" for m in experts) and len({id(m.recipe) for m in experts}) == 1
     assert model.model.layers[0].self_attn.q_proj.recipe.format == "hybrid"
@@ -175,7 +187,7 @@ def test_compiled_hybrid_experts_train_exactly_as_eager():
     GEMM per expert sized on the host, did not): the same losses and expert gradients as eager."""
     torch._dynamo.reset()
     eager = build("mixtral")
-    hf_fp8.patch_model(eager)
+    hf_fp8.patch_model(eager, EXPERTS)
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled, backend="aot_eager")
     for batch in text_batches(2):
@@ -194,7 +206,7 @@ def test_compiled_e4m3_experts_train_exactly_as_eager():
     below checks the grouped kernels themselves)."""
     torch._dynamo.reset()
     eager = build("mixtral")
-    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(format="e4m3"))
+    hf_fp8.patch_model(eager, EXPERTS.replace(format="e4m3"))
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled, backend="aot_eager")
     for batch in text_batches(2):
@@ -213,7 +225,7 @@ def test_gpu_compiled_e4m3_experts_get_the_eager_gradients():
     they came out zero on torch 2.11 while the Function returned a no-op ``.to()``'s alias)."""
     torch._dynamo.reset()
     eager = build("mixtral").cuda().to(torch.bfloat16)
-    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(format="e4m3"), backend="native")
+    hf_fp8.patch_model(eager, EXPERTS.replace(format="e4m3"), backend="native")
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled)
     batch = {k: v.cuda() for k, v in tm.batch_for("llama", 64).items()}
@@ -229,7 +241,7 @@ def test_gpu_compiled_e4m3_experts_get_the_eager_gradients():
 def test_eval_mode_runs_the_models_own_experts_forward():
     model = build("mixtral")
     reference = copy.deepcopy(model).eval()
-    hf_fp8.patch_model(model)
+    hf_fp8.patch_model(model, EXPERTS)
     model.eval()
     batch = tm.batch_for("llama", 16)
     with torch.no_grad():
@@ -240,7 +252,7 @@ def test_expert_weights_have_their_amaxes_taken_at_the_step_end():
     """As for linear layers: the first step's forward takes the weights' amaxes (it scales by them),
     later steps' forwards leave them to the step's end; the history holds them either way."""
     model = build("mixtral")
-    hf_fp8.patch_model(model, backend="native")
+    hf_fp8.patch_model(model, EXPERTS, backend="native")
     experts = experts_of(model)[0]
     up_role, down_role = (Fp8Experts.ROLE_NAMES.index(f"{p}.weight") for p in ("up", "down"))
     batch = tm.batch_for("llama", 32)

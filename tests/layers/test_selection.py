@@ -179,7 +179,7 @@ def test_norms_are_recognised_by_behaviour_not_by_name():
 
 def test_report_table_and_dict():
     model = tm.build("mixtral")
-    report = patch_model(model)
+    report = patch_model(model, Fp8Recipe(convert_experts=True))
     text = str(report)
     assert "FP8 GEMM layers: 10 of 13" in text
     assert "model.layers.*.self_attn.q_proj" in text and "model.layers.*.mlp.experts" in text

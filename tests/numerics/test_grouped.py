@@ -92,7 +92,7 @@ def test_gpu_grouped_expert_gemms_match_the_per_expert_ones(arch):
     results = {}
     for device in ("cpu", "cuda"):
         model = build(arch).to(device)
-        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3"), backend="native")
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3", convert_experts=True), backend="native")
         with GroupedMmCalls() as grouped:
             loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             loss.backward()
@@ -142,7 +142,7 @@ def test_gpu_grouped_gemms_equal_the_per_expert_gemms_on_the_same_fp8_values(tra
 def test_gpu_hybrid_format_groups_all_six_expert_gemms_in_e4m3():
     """Under format hybrid the experts take E4M3 gradients, so their backward is grouped as well."""
     model = build("mixtral").cuda()
-    hf_fp8.patch_model(model, backend="native")  # hybrid: E5M2 gradients for the other layers
+    hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(convert_experts=True), backend="native")  # hybrid elsewhere
     with GroupedMmCalls() as grouped:
         model(**{k: v.cuda() for k, v in tm.batch_for("llama", 32).items()}).loss.backward()
     assert grouped.calls == 4 * 2 * 3, "forward, dgrad and wgrad of both projections, grouped"

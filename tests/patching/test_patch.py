@@ -212,7 +212,7 @@ def test_parameters_replaced_after_patching_are_freed_and_unpatch_gives_the_new_
     parameters. Nothing of hf-fp8 may keep the old ones alive (under FSDP2 that was the whole unsharded
     model on every rank, measured on two H200s), and undoing the patch gives back the new ones."""
     model = tm.build(arch)
-    patch_model(model)
+    patch_model(model, Fp8Recipe(convert_experts=True))
     fp8_modules = {n: m for n, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))}
     old = [weakref.ref(p) for m in fp8_modules.values() for p in m.parameters(recurse=False)]
     new = {
