@@ -190,7 +190,12 @@ class Fp8Module(Fp8Scaled):
                 )
             # the source's scale where it lives on x's device (not for nn.DataParallel's other replicas)
             source = self.input_scale_source
-            shared = source is not None and config.stored_scales[INPUT] and source.scale.device == x.device
+            shared = (
+                source is not None
+                and config.stored_scales[INPUT]
+                and source.stored_scales[INPUT]
+                and source.scale.device == x.device
+            )
             return fp8_linear(
                 x,
                 weight,

@@ -33,14 +33,17 @@ class SharedInputCasts:
     def __init__(self, named_layers: list[tuple[str, torch.nn.Module]]) -> None:
         self.candidates = _sibling_candidates(named_layers)
         self.groups: list[list[Fp8Module]] = []
-        self.decided = not self.candidates
+        self.checks_left = _CHECKS
 
     @torch.no_grad()
     def step_end(self) -> None:
         """Called at a step's end, after the step's amaxes are reduced over the ranks and before they
-        become scales: forms the groups at the first step's end, then makes each group's newest input
-        amaxes equal (the largest)."""
-        if not self.decided:
+        become scales: forms the groups (at the first step's end that saw the candidates' inputs), checks
+        them at the next ``_CHECKS`` step ends, then makes each group's newest input amaxes one (the
+        largest)."""
+        if self.groups and self.checks_left:
+            self._dissolve_parted()
+        if self.candidates:
             self._form_groups()
         for position in range(1, max((len(g) for g in self.groups), default=0)):
             longer = [g for g in self.groups if len(g) > position]
@@ -51,23 +54,59 @@ class SharedInputCasts:
             torch._foreach_copy_([_newest(m) for m, _ in members], [_newest(first) for _, first in members])
 
     def _form_groups(self) -> None:
-        """Split each set of candidate siblings by their newest input amax, in one read to the host, once:
-        layers that did not run in the first step keep casting on their own."""
-        amaxes = torch.stack([_newest(m)[0] for c in self.candidates for m in c]).tolist()
-        start = 0
+        """Split each set of candidate siblings by their newest input amax, in one read to the host. A set
+        that saw a non-finite amax (a skipped step) waits for a later step; layers that did not run keep
+        casting on their own."""
+        amaxes = _read([_newest(m)[0] for c in self.candidates for m in c])
+        start, waiting = 0, []
         for candidate in self.candidates:
             seen = amaxes[start : start + len(candidate)]
             start += len(candidate)
+            if not all(math.isfinite(a) for a in seen):
+                waiting.append(candidate)
+                continue
             by_amax: dict[float, list[Fp8Module]] = {}
             for module, amax in zip(candidate, seen, strict=True):
-                if amax > 0 and math.isfinite(amax):
+                if amax > 0:
                     by_amax.setdefault(amax, []).append(module)
             for group in by_amax.values():
                 if len(group) > 1:
                     self.groups.append(group)
                     for member in group[1:]:
                         member.share_input_scale(group[0])
-        self.candidates, self.decided = [], True
+        self.candidates = waiting
+
+    def _dissolve_parted(self) -> None:
+        """Undo the groups whose members saw different (finite) input amaxes in this step: their first
+        step's equal amaxes were a coincidence, not one input."""
+        self.checks_left -= 1
+        pairs = [(m, g[0]) for g in self.groups for m in g[1:]]
+        amaxes = _read([t for m, first in pairs for t in (_newest(m)[0], _newest(first)[0])])
+        parted = {
+            id(first)
+            for (_, first), own, theirs in zip(pairs, amaxes[::2], amaxes[1::2], strict=True)
+            if own != theirs and math.isfinite(own) and math.isfinite(theirs)
+        }
+        for group in [g for g in self.groups if id(g[0]) in parted]:
+            for member in group[1:]:
+                member.share_input_scale(None)
+            self.groups.remove(group)
+
+
+# Step ends after the groups form at which every group is checked for members whose inputs differ.
+_CHECKS = 2
+
+
+def _read(values: list[torch.Tensor]) -> list[float]:
+    """Scalar tensors, possibly on several devices, as floats: one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, value in enumerate(values):
+        by_device.setdefault(value.device, []).append(index)
+    result = [0.0] * len(values)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
+            result[index] = value
+    return result
 
 
 def _newest(module: Fp8Module) -> torch.Tensor:
@@ -76,10 +115,12 @@ def _newest(module: Fp8Module) -> torch.Tensor:
 
 
 def _sibling_candidates(named_layers: list[tuple[str, torch.nn.Module]]) -> list[list[Fp8Module]]:
-    """Sets of two or more delayed-scaling FP8 linear layers under one parent whose forward casts its
-    input."""
-    by_parent: dict[str, list[Fp8Module]] = {}
+    """Sets of two or more delayed-scaling FP8 linear layers under one parent, of one input width and on
+    one device, whose forward casts its input."""
+    by_parent: dict[tuple, list[Fp8Module]] = {}
     for name, layer in named_layers:
         if isinstance(layer, Fp8Module) and layer.forward_in_fp8 and layer.recipe.scaling == "delayed":
-            by_parent.setdefault(name.removesuffix(".base_layer").rpartition(".")[0], []).append(layer)
+            parent = name.removesuffix(".base_layer").rpartition(".")[0]
+            width = layer.in_features if isinstance(layer, torch.nn.Linear) else layer.nx
+            by_parent.setdefault((parent, width, layer.amax_history.device), []).append(layer)
     return [layers for layers in by_parent.values() if len(layers) > 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import tiny_models as tm
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -99,20 +100,51 @@ class TwoReaders(nn.Module):
         return self.a(x) + self.b(4 * x if self.apart else x)
 
 
-def test_a_group_whose_inputs_part_casts_with_the_largest_amax():
-    """Grouped once, the members keep one scale: if their inputs ever differ, the one the largest amax
-    gives (safe for both), and each member's own state says so."""
+def two_readers() -> tuple[TwoReaders, Fp8Recipe]:
     model = TwoReaders()
     recipe = Fp8Recipe(amax_history_len=2, amax_compute_algo="most_recent")
     hf_fp8.patch_model(model, recipe)
+    return model, recipe
+
+
+def steps(model: TwoReaders, x: torch.Tensor, count: int) -> None:
+    for _ in range(count):
+        model(x).sum().backward()
+
+
+def test_siblings_whose_inputs_part_in_the_next_steps_are_no_group():
+    """Equal amaxes in the first step may be a coincidence: the next steps check, and a group whose
+    members see different inputs there is undone."""
+    model, _ = two_readers()
     x = torch.randn(64, 32)
-    model(x).sum().backward()
+    steps(model, x, 1)
     assert model.b.input_scale_source is model.a
     model.apart = True
-    model(x).sum().backward()
+    steps(model, x, 1)
+    assert model.b.input_scale_source is None
+
+
+def test_a_group_whose_inputs_part_later_casts_with_the_largest_amax():
+    """Past its checks a group keeps one scale: if its inputs ever differ, the one the largest amax
+    gives (safe for both), and each member's own state says so."""
+    model, recipe = two_readers()
+    x = torch.randn(64, 32)
+    steps(model, x, 3)
+    model.apart = True
+    steps(model, x, 1)
+    assert model.b.input_scale_source is model.a
     largest = 4 * x.abs().amax()  # the step just ended: slot 1 of the input's history
     assert model.a.amax_history[0, 1] == model.b.amax_history[0, 1] == largest
     assert model.a.scale[0] == model.b.scale[0] == recipe.forward_format.max / largest
+
+
+def test_a_first_step_with_a_non_finite_input_leaves_the_choice_to_the_next():
+    model, _ = two_readers()
+    x = torch.randn(64, 32)
+    with pytest.warns(UserWarning, match="non-finite amax"):
+        steps(model, torch.full_like(x, float("inf")), 1)
+        steps(model, x, 1)  # the warning comes at the next step's end
+    assert model.b.input_scale_source is model.a
 
 
 def test_lora_wrapped_siblings_share_their_base_layers_scale():
