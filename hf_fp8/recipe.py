@@ -73,9 +73,10 @@ class Fp8Recipe:
             default: the logits feed the loss directly and are sensitive to rounding.
         convert_experts: also run MoE experts (transformers' 3-D experts modules) in FP8, every tensor in
             E4M3, through grouped FP8 GEMMs. Off by default: on Hopper (torch 2.11) the grouped FP8 GEMM and
-            its casts made a compiled step slower than BF16 experts at every MoE shape measured (OLMoE,
-            Qwen3-MoE, Mixtral at 2048 wide: 0.79-0.97x), and the experts' FP8 costs loss. The LoRA
-            recipes turn it on: frozen experts stored in FP8 take half the memory.
+            its casts made a compiled step slower than with BF16 experts at every MoE shape measured (OLMoE,
+            Qwen3-MoE, Mixtral at 2048 wide: 0.70-0.97x), and the experts' FP8 costs loss. Under
+            ``fp8_weights`` the experts convert whatever it says: frozen, they are stored in FP8 (half the
+            memory, the point of that key).
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
         nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
             amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and

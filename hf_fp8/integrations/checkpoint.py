@@ -24,6 +24,7 @@ from torch import nn
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.checks import check_model
+from hf_fp8.layers.experts import is_experts
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.recipe import SCALING_FIELDS, Fp8Recipe, as_recipe
 
@@ -53,6 +54,20 @@ def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: t.detach().cpu().clone() for key, t in fp8_state_tensors(model).items()}
 
 
+def _experts_hint(model: nn.Module, unexpected: list[str]) -> str:
+    """The fix when the unexpected entries are MoE experts' that this patch keeps in high precision (the
+    default since convert_experts; the state was saved with FP8 experts)."""
+    modules = dict(model.named_modules())
+    prefixes = {key.rsplit(".", 1)[0] for key in unexpected}
+    experts = [p for p in prefixes if p in modules and is_experts(modules[p])]
+    if not experts:
+        return ""
+    return (
+        f" ({len(experts)} MoE experts module(s) had FP8 state there and are kept in high precision here: "
+        "patch with convert_experts: true, as the state was saved, to continue it)"
+    )
+
+
 @torch.no_grad()
 def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` (from :func:`fp8_state_dict`) into the model's FP8 layers, in place.
@@ -70,7 +85,7 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
         raise ValueError(
             "the FP8 state does not match this model's FP8 layers"
             f"{_listing('missing', missing)}{_listing('unexpected', unexpected)}; it was saved from "
-            "another model or patched differently"
+            f"another model or patched differently{_experts_hint(model, unexpected)}"
         )
     for key, target in targets.items():
         source = state[key]

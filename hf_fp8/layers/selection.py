@@ -50,7 +50,8 @@ HEAD_FORWARD_KEPT = (
 
 EXPERTS_KEPT = (
     "MoE experts kept in high precision (convert_experts: false): the grouped FP8 GEMM and its casts were "
-    "slower than BF16 experts at every MoE shape measured; convert_experts: true runs them in FP8"
+    "slower than BF16 experts at every MoE shape measured; convert_experts: true (or fp8_weights) runs "
+    "them in FP8 with the native backend"
 )
 
 _ROUTER_NAMES = ("gate", "router")
@@ -211,7 +212,7 @@ def _experts_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: Mo
         return result(SKIPPED, problem)
     if not recipe.enabled:
         return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
-    if not recipe.convert_experts:
+    if not (recipe.convert_experts or recipe.fp8_weights):
         return result(SKIPPED, EXPERTS_KEPT)
     return result(CONVERTED)
 

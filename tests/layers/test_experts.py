@@ -17,6 +17,7 @@ from tiny_models import build_moe as build
 from transformers import AutoModelForCausalLM
 
 import hf_fp8
+from hf_fp8.integrations.checkpoint import fp8_state_dict, load_fp8_state_dict
 from hf_fp8.layers.experts import Fp8Experts
 from hf_fp8.patching.step import set_recipe
 
@@ -34,7 +35,20 @@ def test_the_default_recipe_keeps_experts_in_high_precision_and_says_why():
     kept = [r for r in report.skipped if r.kind == "experts"]
     assert len(kept) == 4 and all("convert_experts: true" in r.reason for r in kept)
     assert any(isinstance(m, hf_fp8.Fp8Linear) for m in model.modules()), "the attention still in FP8"
-    assert hf_fp8.Fp8Recipe.named("lora-fp8").convert_experts
+    stored = build("mixtral")  # fp8_weights converts them anyway: frozen, they are stored in FP8
+    hf_fp8.patch_model(stored, hf_fp8.Fp8Recipe(fp8_weights=True))
+    assert len(experts_of(stored)) == 4
+
+
+def test_fp8_state_saved_with_fp8_experts_names_the_key_that_loads_it():
+    """Runs saved before experts stayed in high precision by default hold FP8 state for them."""
+    saved = build("mixtral")
+    hf_fp8.patch_model(saved, EXPERTS)
+    state = fp8_state_dict(saved)
+    model = build("mixtral")
+    hf_fp8.patch_model(model)
+    with pytest.raises(ValueError, match=r"4 MoE experts module.*convert_experts: true"):
+        load_fp8_state_dict(model, state)
 
 
 @pytest.mark.parametrize("arch", list(MOE_CONFIGS))

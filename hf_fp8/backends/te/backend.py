@@ -49,8 +49,8 @@ class TeBackend(Fp8Backend):
     name = "te"
     keeps_norms = None
     keeps_experts = (
-        "MoE experts: the Transformer Engine backend keeps them in high precision (backend='native' runs "
-        "them in FP8)"
+        "MoE experts: the Transformer Engine backend keeps them in high precision (backend='native' with "
+        "convert_experts: true runs them in FP8)"
     )
     compiles = False
     recompute_problem = "would recompute layers outside te.autocast, in another precision"
