@@ -8,11 +8,12 @@ casts a single expression, which the compiler merges into one kernel and one sav
 
 Which layers read one input is learned, not guessed from names: sibling layers (one parent module; a
 PEFT wrapper's ``base_layer`` counts as its wrapper) whose input amaxes were bit for bit equal in the
-first step form a group. From then on every member casts with its first member's input scale, and at each
-step's end every member records the largest input amax of the group before the scales are updated. For
-layers that read one tensor that changes nothing (their amaxes are equal anyway); for siblings that only
-seemed to (equal amaxes by chance) it keeps each member's scale the one it casts with, and safe for every
-member's input.
+first step (the first with finite amaxes) form a group; one of the next two steps in which they differ
+undoes it, as equal amaxes can be chance (o_proj sits beside q/k/v). From then on every member casts with
+its first member's input scale, and at each step's end every member records the largest input amax of
+the group before the scales are updated. For layers that read one tensor that changes nothing (their
+amaxes are equal anyway); for siblings that only seemed to, it keeps each member's scale the one it casts
+with, and safe for every member's input.
 """
 
 from __future__ import annotations
@@ -98,15 +99,9 @@ _CHECKS = 2
 
 
 def _read(values: list[torch.Tensor]) -> list[float]:
-    """Scalar tensors, possibly on several devices, as floats: one transfer per device."""
-    by_device: dict[torch.device, list[int]] = {}
-    for index, value in enumerate(values):
-        by_device.setdefault(value.device, []).append(index)
-    result = [0.0] * len(values)
-    for indices in by_device.values():
-        for index, value in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
-            result[index] = value
-    return result
+    """Scalar tensors as floats, in one transfer (gathered on the first one's device, as the amax
+    all-reduce gathers its amaxes: a model may lie on several)."""
+    return torch.stack([v.to(values[0].device) for v in values]).tolist()
 
 
 def _newest(module: Fp8Module) -> torch.Tensor:
