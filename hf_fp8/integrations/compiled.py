@@ -48,8 +48,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     after its decoder (head, logit transforms, loss; else the loss function alone) in place, and return
     ``model``.
 
-    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...); with
-    Inductor and no ``mode``, its ``options`` get combo kernels on unless they say otherwise. Call it
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...). Call it
     after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
     parameters and its ``state_dict`` keys. Under DeepSpeed ZeRO-3, call it before
@@ -57,7 +56,6 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     :mod:`hf_fp8.patching.zero`).
     """
     check_model(model, "hf_fp8.compile")
-    options = _with_inductor_defaults(options)
     if getattr(model, _COMPILED, False):
         return model
     blocks = repeated_blocks(model)
@@ -138,21 +136,6 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
 def _plain_forward(module: nn.Module) -> bool:
     """Whether ``module.forward`` is its class's own (no wrapper of someone else's in its place)."""
     return "forward" not in vars(module)
-
-
-# Inductor settings the blocks compile with unless the caller chooses otherwise. Combo kernels launch
-# the many small independent kernels of an FP8 block (scale reciprocals, amax history updates) together:
-# the forward of a block is bound by the host's kernel launches, not by the GPU (H100, 1B shape: 2233
-# -> 1609 kernels a step, 69.3k -> 73.0k tokens/s; benchmarks/RESULTS.md).
-_INDUCTOR_DEFAULTS = {"combo_kernels": True}
-
-
-def _with_inductor_defaults(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for ``torch.compile`` with :data:`_INDUCTOR_DEFAULTS` added to its Inductor
-    ``options``; unchanged for another backend, or with a ``mode`` (which excludes ``options``)."""
-    if options.get("backend", "inductor") != "inductor" or "mode" in options:
-        return options
-    return {**options, "options": {**_INDUCTOR_DEFAULTS, **options.get("options", {})}}
 
 
 def _announce_emulation(model: nn.Module) -> None:

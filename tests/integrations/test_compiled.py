@@ -184,8 +184,8 @@ def test_a_deep_copy_of_a_compiled_model_runs_its_own_weights():
 
 @pytest.mark.parametrize("options", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"debug": False}}])
 def test_inductor_options_of_the_caller_go_through(options):
-    """Combo kernels are a default, not a rule: a ``mode`` (which torch.compile refuses next to
-    ``options``) or the caller's own ``options`` compile as given."""
+    """A ``mode`` (which torch.compile refuses next to ``options``) or the caller's own Inductor
+    ``options`` compile as given."""
     torch._dynamo.reset()
     model = llama(layers=2)
     hf_fp8.compile(model, **options)
