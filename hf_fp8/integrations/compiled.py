@@ -33,6 +33,7 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.formats import gpu_has_fp8
+from hf_fp8.integrations.graph_steps import add_graph_steps, replays_graphs, training_step, wants_cuda_graphs
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.patching.patch_state import get_state
@@ -53,7 +54,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
     parameters and its ``state_dict`` keys. Under DeepSpeed ZeRO-3, call it before
     ``deepspeed.initialize``: it makes each block a ZeRO-3 leaf module, gathered whole (see
-    :mod:`hf_fp8.patching.zero`).
+    :mod:`hf_fp8.patching.zero`). With ``mode="reduce-overhead"`` each training forward is one CUDA graph
+    step (see :mod:`hf_fp8.integrations.graph_steps`), for batches of one shape.
     """
     check_model(model, "hf_fp8.compile")
     if getattr(model, _COMPILED, False):
@@ -81,6 +83,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     if hf_model is not None:
         hf_model.register_forward_pre_hook(_route_cache, with_kwargs=True)
         hf_model.register_forward_hook(_leave_eager, with_kwargs=True, always_call=True)
+    if wants_cuda_graphs(options):
+        add_graph_steps(hf_model if hf_model is not None else model)
     if hf_model is None or not _compile_head(hf_model, blocks, options):
         owner = next((m for m in model.modules() if "loss_function" in dir(type(m))), None)
         if owner is not None and callable(owner.loss_function):
@@ -158,7 +162,8 @@ _EAGER_CALLS = "_hf_fp8_eager_calls"  # a stack: forwards may nest (PEFT, a mode
 
 def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Before the HF model's forward: no KV cache where a loss is computed and nobody asked for one;
-    eager execution where a cache is used (see the module docstring)."""
+    eager execution where a cache is used (see the module docstring), and under CUDA graphs for every
+    forward that is not a training step (see :mod:`hf_fp8.integrations.graph_steps`)."""
     cache_given = kwargs.get("past_key_values") is not None
     asked = kwargs.get("use_cache")
     config_wants = bool(getattr(getattr(model, "config", None), "use_cache", False))
@@ -167,8 +172,9 @@ def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         kwargs = {**kwargs, "use_cache": False}
         asked = False
     uses_cache = cache_given or bool(asked) or (asked is None and config_wants)
-    # set_stance takes effect when it is made, so it is made only for a forward that uses a cache
-    stance = torch.compiler.set_stance("force_eager") if uses_cache else contextlib.nullcontext()
+    eager = uses_cache or (replays_graphs(model) and not training_step(model))
+    # set_stance takes effect when it is made, so it is made only for a forward that runs eagerly
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)
     return args, kwargs
 
