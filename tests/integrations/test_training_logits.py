@@ -1,0 +1,73 @@
+"""A compiled training forward that computes its loss returns its logits detached from the head's graph:
+no zero gradient of their full size each step, and a loss on them raises instead of losing its gradient."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import tiny_models as tm
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import hf_fp8
+
+
+def tangent_counting_backend(tangents: list[int]):
+    """aot_eager that records how many gradients of outputs each compiled backward takes."""
+
+    def backward(graph: torch.fx.GraphModule, example_inputs):
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        tangents.append(sum(n.name.startswith("tangents") for n in placeholders))
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(
+        fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
+        bw_compiler=backward,
+        keep_inference_input_mutations=True,
+    )
+
+
+def test_the_head_graph_backward_takes_the_loss_gradient_alone():
+    torch._dynamo.reset()
+    tangents: list[int] = []
+    model = tm.build("llama")
+    hf_fp8.patch_model(model)
+    hf_fp8.compile(model, backend=tangent_counting_backend(tangents))
+    model(**tm.batch_for("llama", 32)).loss.backward()
+    assert tangents == [1, 1], "the head's backward (first) and the block's: one output gradient each"
+
+
+def test_training_logits_equal_the_models_and_a_loss_on_them_raises_with_the_fix():
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    reference = copy.deepcopy(model)
+    hf_fp8.compile(model, backend="aot_eager")
+    batch = tm.batch_for("llama", 32)
+    out = model(**batch)
+    torch.testing.assert_close(out.logits, reference(**batch).logits)
+    with pytest.raises(RuntimeError, match="without labels"):
+        (out.loss + out.logits.float().logsumexp(-1).mean()).backward()
+
+
+def test_without_labels_the_logits_keep_their_gradient():
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    reference = copy.deepcopy(model)
+    hf_fp8.compile(model, backend="aot_eager")
+    unlabelled = {k: v for k, v in tm.batch_for("llama", 32).items() if k != "labels"}
+    for m in (model, reference):
+        m(**unlabelled).logits.float().logsumexp(-1).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_evaluation_logits_are_returned_as_computed():
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    hf_fp8.compile(model, backend="aot_eager")
+    model.eval()
+    with torch.no_grad():
+        out = model(**tm.batch_for("llama", 32))
+    assert out.loss is not None and out.logits.grad_fn is None
