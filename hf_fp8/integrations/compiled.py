@@ -33,8 +33,13 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.formats import gpu_has_fp8
-from hf_fp8.integrations.graph_steps import add_graph_steps, replays_graphs, training_step, wants_cuda_graphs
-from hf_fp8.integrations.training_logits import compile_with_detached_logits, guard_training_logits
+from hf_fp8.integrations.graph_steps import (
+    add_graph_steps,
+    is_training_forward,
+    replays_graphs,
+    wants_cuda_graphs,
+)
+from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.patching.patch_state import get_state
@@ -109,8 +114,8 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     the model does to the logits (Gemma-2's soft-capping, Granite's scaling) and the loss. Left eager,
     each of those is a pass over the whole logits (Gemma-2, 256k vocabulary: 13 ms a step of tanh and
     scaling on an H200), and a head whose vocabulary is no multiple of 8 runs on cuBLAS's unaligned
-    kernels (GPT-2's 50257: 33 ms of a 71 ms step on an H200); compiled, Inductor pads it. A training
-    forward's logits leave that graph detached (see :mod:`hf_fp8.integrations.training_logits`).
+    kernels (GPT-2's 50257: 33 ms of a 71 ms step on an H200); compiled, Inductor pads it. A causal
+    LM's training forward returns its logits detached (see :mod:`hf_fp8.integrations.training_logits`).
 
     The decoder (the base model, holding every block) stays a graph break: its blocks run their own
     compiled graphs. Both become instance attributes (``forward``), methods bound to their module, so
@@ -135,10 +140,18 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
     head_options = {**options, "fullgraph": False}
     decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)
-    head_forward = compile_with_detached_logits(type(hf_model).forward, **head_options)
+    if _has_language_head(hf_model):
+        head_forward = compile_with_detached_logits(type(hf_model).forward, **head_options)
+    else:  # a classifier's logits are small: they keep their gradient
+        head_forward = torch.compile(type(hf_model).forward, **head_options)
     hf_model.forward = types.MethodType(head_forward, hf_model)
-    hf_model.register_forward_hook(guard_training_logits, with_kwargs=True)
     return True
+
+
+def _has_language_head(hf_model: nn.Module) -> bool:
+    """Whether ``hf_model`` ends in an output head over a vocabulary (a causal LM's ``lm_head``)."""
+    get_head = getattr(hf_model, "get_output_embeddings", None)
+    return callable(get_head) and get_head() is not None
 
 
 def _plain_forward(module: nn.Module) -> bool:
@@ -176,7 +189,7 @@ def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         kwargs = {**kwargs, "use_cache": False}
         asked = False
     uses_cache = cache_given or bool(asked) or (asked is None and config_wants)
-    eager = uses_cache or (replays_graphs(model) and not training_step(model))
+    eager = uses_cache or (replays_graphs(model) and not is_training_forward(model))
     # set_stance takes effect when it is made, so it is made only for a forward that runs eagerly
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)

@@ -10,6 +10,7 @@ import tiny_models as tm
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import hf_fp8
 
@@ -63,11 +64,29 @@ def test_without_labels_the_logits_keep_their_gradient():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_evaluation_logits_are_returned_as_computed():
+def test_a_forward_called_directly_guards_its_logits_too():
+    """PEFT's tuners before 0.21 call the HF model's ``forward`` itself, which runs no hooks: the guard
+    is part of the forward."""
     torch._dynamo.reset()
     model = tm.build("llama")
     hf_fp8.compile(model, backend="aot_eager")
-    model.eval()
-    with torch.no_grad():
-        out = model(**tm.batch_for("llama", 32))
-    assert out.loss is not None and out.logits.grad_fn is None
+    out = model.forward(**tm.batch_for("llama", 32))
+    with pytest.raises(RuntimeError, match="without labels"):
+        (out.loss + out.logits.float().logsumexp(-1).mean()).backward()
+
+
+def test_a_classifiers_logits_keep_their_gradient():
+    """Only a language head's logits leave detached: a classifier's are small, and a loss on them trains
+    as without hf_fp8.compile."""
+    torch._dynamo.reset()
+    config = AutoConfig.for_model("llama", **dict(tm.CONFIGS["llama"][1], num_labels=3, pad_token_id=0))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config).train()
+    reference = copy.deepcopy(model)
+    hf_fp8.compile(model, backend="aot_eager")
+    batch = {**tm.batch_for("llama", 32), "labels": torch.tensor([0, 2])}
+    for m in (model, reference):
+        out = m(**batch)
+        (out.loss + out.logits.square().mean()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
