@@ -20,7 +20,6 @@ gathered across batches) would be overwritten by the next replay. Other outputs 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -29,16 +28,15 @@ from torch import nn
 __all__ = ["add_graph_steps", "is_training_forward", "replays_graphs", "wants_cuda_graphs"]
 
 _STATE = "_hf_fp8_graph_steps"  # a _GraphSteps on the model whose forwards mark the steps
+_COPIED = "_hf_fp8_copied_out"  # set on a gradient copied out of the graphs' memory (accumulated into since)
 
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class _GraphSteps:
-    """What the hooks keep between forwards: the gradients already copied out of the graphs' memory (by
-    id, with a weak reference to tell a reused id apart), and whether a backward is still to come."""
+    """What the hooks keep between forwards: whether a backward is still to come."""
 
     def __init__(self) -> None:
-        self.kept_grads: dict[int, weakref.ref[torch.Tensor]] = {}
         self.backward_pending = False
 
     def backward_started(self, grad: torch.Tensor) -> None:
@@ -77,22 +75,18 @@ def _begin_step(model: nn.Module, args: tuple) -> None:
     """Before a training forward: accumulated gradients out of the graphs' memory, then a new step."""
     if not is_training_forward(model):
         return
-    steps: _GraphSteps = model.__dict__[_STATE]
-    _copy_out_grads(model, steps.kept_grads)
-    if not steps.backward_pending:
+    _copy_out_grads(model)
+    if not model.__dict__[_STATE].backward_pending:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def _copy_out_grads(model: nn.Module, kept: dict[int, weakref.ref[torch.Tensor]]) -> None:
-    """Replace each gradient not copied yet by a copy of its own (an eagerly made one is copied too: which
-    gradients a graph made is not known here)."""
+def _copy_out_grads(model: nn.Module) -> None:
+    """Replace each gradient not copied yet by a copy of its own, marked as such (an eagerly made one is
+    copied too: which gradients a graph made is not known here)."""
     for param in model.parameters():
-        grad = param.grad
-        if grad is not None and (id(grad) not in kept or kept[id(grad)]() is not grad):
-            param.grad = grad.clone()
-            kept[id(param.grad)] = weakref.ref(param.grad)
-    for key in [key for key, ref in kept.items() if ref() is None]:
-        del kept[key]
+        if param.grad is not None and not getattr(param.grad, _COPIED, False):
+            param.grad = param.grad.clone()
+            setattr(param.grad, _COPIED, True)
 
 
 def _keep_loss(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
