@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hf_fp8.formats import E4M3, E5M2, cast_to_fp8, compute_scale
 from hf_fp8.layers.fsdp import shard_in_fp8
 from hf_fp8.numerics.blockwise import cast_tiles, cast_tiles_transposed
-from hf_fp8.numerics.gemm import column_major_copy, pad_rows
+from hf_fp8.numerics.gemm import column_major_copy, pad_rows, transposed_fp8
 
 
 def awkward_values(rows: int, columns: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -39,6 +39,13 @@ def test_a_column_major_copy_holds_the_same_values():
     copied = column_major_copy(t, torch.empty(0))
     assert copied.stride() == (1, 48)
     assert torch.equal(copied.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_the_output_heads_transposed_gradient_holds_the_same_values():
+    t = awkward_values(48, 80, torch.float32, "cpu").to(E5M2.dtype)
+    transposed = transposed_fp8(t)
+    assert transposed.shape == (80, 48) and transposed.is_contiguous()
+    assert torch.equal(transposed.view(torch.uint8), t.t().contiguous().view(torch.uint8))
 
 
 def test_a_transposed_tile_cast_pads_the_rows_to_16_with_zeros_and_keeps_the_nan_in_its_amax():
@@ -112,3 +119,14 @@ def test_gpu_the_column_major_copy_is_the_torch_transpose(fmt, rows, columns):
     assert torch.equal(copied.contiguous().view(torch.uint8), t.view(torch.uint8))
     compiled = torch.compile(lambda w, a: column_major_copy(w, a), fullgraph=True)
     assert torch.equal(compiled(t, after).contiguous().view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize(("rows", "columns"), [(1, 1), (16, 4096), (1000, 77), (8192, 50304)])
+def test_gpu_the_output_heads_transposed_gradient_is_the_torch_transpose(fmt, rows, columns):
+    t = awkward_values(rows, columns, torch.float32, "cuda").to(fmt.dtype)
+    expected = t.t().contiguous().view(torch.uint8)
+    assert torch.equal(transposed_fp8(t).view(torch.uint8), expected)
+    compiled = torch.compile(lambda g: transposed_fp8(g * 1), fullgraph=True)  # behind a fused op
+    assert torch.equal(compiled(t.view(torch.uint8)).view(torch.uint8), expected)
