@@ -11,6 +11,9 @@ batch 4 x 2048, AdamW fused at lr 1e-5 on one repeated batch (``harness.py``'s `
   bf16-regional    ``hf_fp8.compile(model)`` without FP8 (block by block)
   hf-fp8           ``patch_model(model)`` (the default recipe) + ``hf_fp8.compile``
   hf-fp8-fastest   ``patch_model(model, "head-backward")`` + ``hf_fp8.compile``
+  hf-fp8-graphs    the same with ``hf_fp8.compile(model, mode="reduce-overhead")``: each training step
+                   replays CUDA graphs (batches of one shape); its peak memory is the memory reserved,
+                   since the graphs' memory pool is not counted as allocated while they replay
   hf-fp8-experts-fp8  the default recipe with MoE experts in FP8 too (``convert_experts: true``) +
                    ``hf_fp8.compile``: what FP8 experts (grouped E4M3 GEMMs) do to an MoE family
   torchao          torchao's tensorwise float8 training on the decoder + ``torch.compile(model)`` (its
@@ -35,7 +38,16 @@ import torch
 from harness import measure, training_flops
 from processes import run_script
 
-ROWS = ("bf16", "bf16-compile", "bf16-regional", "hf-fp8", "hf-fp8-fastest", "hf-fp8-experts-fp8", "torchao")
+ROWS = (
+    "bf16",
+    "bf16-compile",
+    "bf16-regional",
+    "hf-fp8",
+    "hf-fp8-fastest",
+    "hf-fp8-graphs",
+    "hf-fp8-experts-fp8",
+    "torchao",
+)
 
 # family: (config class, its keyword arguments at about 1B width, layers); each a published model's
 # layer shape where one exists at that width
@@ -127,12 +139,17 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
     elif row.startswith("hf-fp8"):
         recipe = {
             "hf-fp8-fastest": hf_fp8.Fp8Recipe.named("head-backward"),
+            "hf-fp8-graphs": hf_fp8.Fp8Recipe.named("head-backward"),
             "hf-fp8-experts-fp8": hf_fp8.Fp8Recipe(convert_experts=True),
         }.get(row)
         hf_fp8.patch_model(model, recipe, backend="native")
+        if row == "hf-fp8-graphs" and args.compile_backend == "inductor":
+            backend["mode"] = "reduce-overhead"
         hf_fp8.compile(model, **backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     result = measure(step_model, optimizer, contextlib.nullcontext, args, flops)
+    if row == "hf-fp8-graphs":
+        result["peak_gib"] = result["peak_reserved_gib"]
     return {"family": family, "mode": row, **result}
 
 
@@ -198,9 +215,15 @@ def _run_worker(family: str, row: str, args: argparse.Namespace, passed_on: list
 def print_sweep(results: list[dict]) -> None:
     """One Markdown line per family: tokens/s per row, FP8's ratios, last losses, memory, warm-up."""
     by = {(r["family"], r["mode"]): r for r in results if "error" not in r}
-    ratio_titles = ["default / compile", "fastest / compile", "fastest / eager"]
-    loss_titles = ["loss compile", "loss default", "loss fastest"]
-    titles = [*ROWS, *ratio_titles, *loss_titles, "peak GiB compile / fastest", "warm-up s compile / fastest"]
+    ratio_titles = ["default / compile", "fastest / compile", "graphs / compile", "fastest / eager"]
+    loss_titles = ["loss compile", "loss default", "loss fastest", "loss graphs"]
+    titles = [
+        *ROWS,
+        *ratio_titles,
+        *loss_titles,
+        "peak GiB compile / fastest / graphs",
+        "warm-up s compile / fastest / graphs",
+    ]
     print("\n| family | " + " | ".join(titles) + " |\n" + "|---" * (len(titles) + 1) + "|")
 
     def get(family: str, mode: str, key: str) -> float | None:
@@ -217,9 +240,9 @@ def print_sweep(results: list[dict]) -> None:
             return "-"
         return f"{a:.3f}" + (f" ({(a / b - 1) * 100:+.1f}%)" if b and mode != "bf16-compile" else "")
 
-    def pair(family: str, key: str, fmt: str) -> str:
-        a, b = get(family, "bf16-compile", key), get(family, "hf-fp8-fastest", key)
-        return " / ".join("-" if v is None else format(v, fmt) for v in (a, b))
+    def trio(family: str, key: str, fmt: str) -> str:
+        values = [get(family, mode, key) for mode in ("bf16-compile", "hf-fp8-fastest", "hf-fp8-graphs")]
+        return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
     for family in dict.fromkeys(r["family"] for r in results):
         speeds = []
@@ -227,10 +250,10 @@ def print_sweep(results: list[dict]) -> None:
             tokens = get(family, mode, "tokens_per_s")
             failed = any(r["family"] == family and r["mode"] == mode and "error" in r for r in results)
             speeds.append(f"{tokens:,.0f}" if tokens else ("error" if failed else "-"))
-        ratios = [vs(family, "hf-fp8", "bf16-compile"), vs(family, "hf-fp8-fastest", "bf16-compile"),
-                  vs(family, "hf-fp8-fastest", "bf16")]  # fmt: skip
-        losses = [loss(family, mode) for mode in ("bf16-compile", "hf-fp8", "hf-fp8-fastest")]
-        cells = [*speeds, *ratios, *losses, pair(family, "peak_gib", ".1f"), pair(family, "warmup_s", ".0f")]
+        fp8_rows = ("hf-fp8", "hf-fp8-fastest", "hf-fp8-graphs")
+        ratios = [vs(family, mode, "bf16-compile") for mode in fp8_rows] + [vs(family, fp8_rows[1], "bf16")]
+        losses = [loss(family, mode) for mode in ("bf16-compile", *fp8_rows)]
+        cells = [*speeds, *ratios, *losses, trio(family, "peak_gib", ".1f"), trio(family, "warmup_s", ".0f")]
         print(f"| {family} | " + " | ".join(cells) + " |")
     for r in results:
         if "error" in r:
