@@ -5,10 +5,21 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, T5ForConditionalGeneration
 
+from hf_fp8.integrations.causal_lm_loss import causal_lm_loss
 from hf_fp8.layers.experts import Fp8Experts
 from hf_fp8.layers.selection import EXPERTS_KEPT
 
 VOCAB = 256
+
+
+def with_compiled_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (an eager reference) computing its loss as ``hf_fp8.compile`` makes a causal LM compute
+    it: transformers' loss with a pointwise backward, whose gradient differs from log-softmax's by float32
+    rounding. With it, compiled and eager steps can agree to the bit."""
+    model.loss_function = causal_lm_loss
+    return model
+
+
 _DECODER = dict(
     hidden_size=64,
     intermediate_size=128,

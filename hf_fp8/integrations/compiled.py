@@ -33,6 +33,7 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.formats import gpu_has_fp8
+from hf_fp8.integrations.causal_lm_loss import causal_lm_loss, is_transformers_causal_lm_loss
 from hf_fp8.integrations.graph_steps import (
     add_graph_steps,
     is_training_forward,
@@ -111,7 +112,9 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
 
 def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[str, Any]) -> bool:
     """Compile what the causal LM computes after its decoder as one graph: the output head, whatever
-    the model does to the logits (Gemma-2's soft-capping, Granite's scaling) and the loss. Left eager,
+    the model does to the logits (Gemma-2's soft-capping, Granite's scaling) and the loss (transformers'
+    causal LM loss as :func:`~hf_fp8.integrations.causal_lm_loss.causal_lm_loss`: the same values, with
+    a backward that Inductor fuses with the head's FP8 cast). Left eager,
     each of those is a pass over the whole logits (Gemma-2, 256k vocabulary: 13 ms a step of tanh and
     scaling on an H200), and a head whose vocabulary is no multiple of 8 runs on cuBLAS's unaligned
     kernels (GPT-2's 50257: 33 ms of a 71 ms step on an H200); compiled, Inductor pads it. A causal
@@ -134,9 +137,13 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
         return False
     if not (_plain_forward(hf_model) and _plain_forward(decoder)):
         return False
-    if callable(getattr(hf_model, "loss_function", None)):
-        # resolved once here: HF's property logs (a graph break) each time it finds no loss_type
-        hf_model.loss_function = hf_model.loss_function
+    loss_function = getattr(hf_model, "loss_function", None)
+    if callable(loss_function):
+        # Resolved once here: HF's property logs (a graph break) each time it finds no loss_type.
+        # transformers' causal LM loss becomes the same loss with a pointwise backward.
+        if is_transformers_causal_lm_loss(loss_function):
+            loss_function = causal_lm_loss
+        hf_model.loss_function = loss_function
     # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
     head_options = {**options, "fullgraph": False}
     decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)

@@ -12,7 +12,7 @@ import tiny_models as tm
 import torch
 from conftest import ScaledMmCalls, assert_fp8_gradients_match
 from peft import LoraConfig, get_peft_model
-from tiny_models import MOE_CONFIGS, experts_of
+from tiny_models import MOE_CONFIGS, experts_of, with_compiled_loss
 from tiny_models import build_moe as build
 from transformers import AutoModelForCausalLM
 
@@ -204,6 +204,7 @@ def test_compiled_hybrid_experts_train_exactly_as_eager():
     hf_fp8.patch_model(eager, EXPERTS)
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled, backend="aot_eager")
+    with_compiled_loss(eager)
     for batch in text_batches(2):
         losses = [model(**batch).loss for model in (eager, compiled)]
         for loss in losses:
@@ -223,6 +224,7 @@ def test_compiled_e4m3_experts_train_exactly_as_eager():
     hf_fp8.patch_model(eager, EXPERTS.replace(format="e4m3"))
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled, backend="aot_eager")
+    with_compiled_loss(eager)
     for batch in text_batches(2):
         for model in (eager, compiled):
             model(**batch).loss.backward()

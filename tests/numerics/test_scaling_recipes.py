@@ -200,5 +200,6 @@ def test_hf_fp8_compile_trains_each_scaling_exactly_as_eager(scaling):
     hf_fp8.patch_model(eager, Fp8Recipe(format="e4m3", scaling=scaling))
     compiled = copy.deepcopy(eager)
     hf_fp8.compile(compiled, backend="aot_eager")
+    tm.with_compiled_loss(eager)
     batches = [tm.batch_for("llama", 32, seed=s) for s in range(2)]
     assert tm.train(compiled, batches) == tm.train(eager, batches)
