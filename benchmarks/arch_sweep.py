@@ -148,7 +148,7 @@ def run_row(family: str, row: str, args: argparse.Namespace) -> dict:
         hf_fp8.compile(model, **backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     result = measure(step_model, optimizer, contextlib.nullcontext, args, flops)
-    if row == "hf-fp8-graphs":
+    if backend.get("mode") == "reduce-overhead":
         result["peak_gib"] = result["peak_reserved_gib"]
     return {"family": family, "mode": row, **result}
 

@@ -15,7 +15,7 @@ VOCAB = 256
 def with_compiled_loss(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (an eager reference) computing its loss as ``hf_fp8.compile`` makes a causal LM compute
     it: transformers' loss with a pointwise backward, whose gradient differs from log-softmax's by float32
-    rounding. With it, compiled and eager steps can agree to the bit."""
+    rounding. With it, compiled and eager steps with the same backend's arithmetic agree to the bit."""
     model.loss_function = causal_lm_loss
     return model
 

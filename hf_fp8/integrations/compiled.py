@@ -114,11 +114,11 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     """Compile what the causal LM computes after its decoder as one graph: the output head, whatever
     the model does to the logits (Gemma-2's soft-capping, Granite's scaling) and the loss (transformers'
     causal LM loss as :func:`~hf_fp8.integrations.causal_lm_loss.causal_lm_loss`: the same values, with
-    a backward that Inductor fuses with the head's FP8 cast). Left eager,
-    each of those is a pass over the whole logits (Gemma-2, 256k vocabulary: 13 ms a step of tanh and
-    scaling on an H200), and a head whose vocabulary is no multiple of 8 runs on cuBLAS's unaligned
-    kernels (GPT-2's 50257: 33 ms of a 71 ms step on an H200); compiled, Inductor pads it. A causal
-    LM's training forward returns its logits detached (see :mod:`hf_fp8.integrations.training_logits`).
+    a backward that Inductor fuses with the head's FP8 cast). Left eager, each of those is a pass over
+    the whole logits (Gemma-2, 256k vocabulary: 13 ms a step of tanh and scaling on an H200), and a head
+    whose vocabulary is no multiple of 8 runs on cuBLAS's unaligned kernels (GPT-2's 50257: 33 ms of a
+    71 ms step on an H200); compiled, Inductor pads it. A causal LM's training forward returns its
+    logits detached (see :mod:`hf_fp8.integrations.training_logits`).
 
     The decoder (the base model, holding every block) stays a graph break: its blocks run their own
     compiled graphs. Both become instance attributes (``forward``), methods bound to their module, so

@@ -1,13 +1,17 @@
-"""The causal LM loss ``hf_fp8.compile`` gives a model: transformers' loss, value for value, with a
-pointwise backward; and the output head's gradient amax taken by rows (the same value)."""
+"""The causal LM loss ``hf_fp8.compile`` gives a model: transformers' loss, value for value up to float32
+rounding, with a pointwise backward; and what the output head's backward does with that gradient (its
+amax by rows, the same value; its transpose a copy of its own)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import tiny_models as tm
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -20,29 +24,41 @@ from hf_fp8.recipe import Fp8Recipe
 VOCAB = 50
 
 
-def logits_and_labels(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_and_labels(dtype: torch.dtype, ignored: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits and labels whose first three positions of the first row are ``ignored``."""
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 9, VOCAB, generator=generator) * 4).to(dtype)
     labels = torch.randint(0, VOCAB, (2, 9), generator=generator)
-    labels[0, :3] = -100  # a prompt that does not count
+    labels[0, :3] = ignored  # a prompt that does not count
     return logits, labels
 
 
-def loss_and_gradient(loss_function, logits: torch.Tensor, labels: torch.Tensor, **kwargs):
+def loss_and_gradient(
+    loss_function: Callable[..., torch.Tensor], logits: torch.Tensor, labels: torch.Tensor | None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and the logits' gradient for a gradient of 1.7 on each value of the loss."""
     leaf = logits.clone().requires_grad_()
     loss = loss_function(leaf, labels, VOCAB, **kwargs)
-    (loss * 1.7).backward()
+    (loss * 1.7).sum().backward()
     return loss.detach(), leaf.grad
 
 
-@pytest.mark.parametrize("num_items_in_batch", [None, torch.tensor(11), 7], ids=["mean", "tensor", "int"])
-def test_bf16_logits_give_transformers_loss_and_gradient_to_the_bit(num_items_in_batch):
-    """Both compute in float32 and round the gradient to BF16 once: the same bits."""
+@pytest.mark.parametrize(
+    "num_items_in_batch",
+    [None, torch.tensor(11), 7, torch.tensor([[11.0]])],
+    ids=["mean", "tensor", "int", "data-parallel-replica"],
+)
+def test_bf16_logits_give_transformers_loss_and_gradient_to_an_ulp(num_items_in_batch):
+    """Both compute in float32 and round the gradient to BF16 once; the float32 values differ in their
+    last bits, so a BF16 value now and then lands one ulp apart. nn.DataParallel's replicas get a (1, 1)
+    count (Trainer expands it per GPU): the loss keeps that shape, as transformers' does."""
     logits, labels = logits_and_labels(torch.bfloat16)
     theirs = loss_and_gradient(ForCausalLMLoss, logits, labels, num_items_in_batch=num_items_in_batch)
     ours = loss_and_gradient(causal_lm_loss, logits, labels, num_items_in_batch=num_items_in_batch)
+    assert ours[0].shape == theirs[0].shape and ours[0].dtype == theirs[0].dtype
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=0)
-    assert ours[1].dtype == torch.bfloat16 and torch.equal(ours[1], theirs[1])
+    assert ours[1].dtype == torch.bfloat16
+    torch.testing.assert_close(ours[1], theirs[1], rtol=2**-7, atol=0)
 
 
 def test_float32_logits_and_given_shift_labels_agree_to_float32_rounding():
@@ -53,6 +69,25 @@ def test_float32_logits_and_given_shift_labels_agree_to_float32_rounding():
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-7)
     assert not ours[1][0, :2].any(), "ignored targets give no gradient"
+
+
+def test_an_ignore_index_of_the_models_own_is_honoured():
+    logits, labels = logits_and_labels(torch.float32, ignored=3)
+    theirs = loss_and_gradient(ForCausalLMLoss, logits, labels, ignore_index=3)
+    ours = loss_and_gradient(causal_lm_loss, logits, labels, ignore_index=3)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-7)
+    assert not ours[1][0, :2].any() and ours[1][0, 2].any(), "targets 3 ignored, the others counted"
+
+
+def test_its_backward_cannot_be_differentiated_again():
+    """The backward recomputes the softmax from a log-sum-exp saved without history: a second
+    derivative through it would be wrong, so asking for one raises."""
+    logits, labels = logits_and_labels(torch.float32)
+    leaf = logits.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(causal_lm_loss(leaf, labels, VOCAB), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
+        grad.sum().backward()
 
 
 def test_a_batch_with_no_target_gives_what_transformers_gives():
@@ -93,6 +128,44 @@ def test_the_gradients_amax_by_rows_is_the_amax_nan_included():
             )
             amaxes.append(history[GRAD_OUTPUT, 0])
         assert torch.equal(amaxes[0], amaxes[1]) or (amaxes[0].isnan() and amaxes[1].isnan())
+
+
+def backward_calls(recipe: str | None) -> list[tuple[object, tuple]]:
+    """The ops (and their arguments) of every compiled backward of two training steps of a tiny Llama
+    patched with ``recipe`` (``None``: the default) and compiled by ``hf_fp8.compile``."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep_backward(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
+        bw_compiler=keep_backward,
+        keep_inference_input_mutations=True,
+    )
+    torch._dynamo.reset()
+    model = tm.build("llama")
+    hf_fp8.patch_model(model, recipe)
+    hf_fp8.compile(model, backend=backend)
+    batch = tm.batch_for("llama", 32, seed=0)
+    for _ in range(2):  # own amaxes, then delayed scales
+        model(**batch).loss.backward()
+    return [(n.target, n.args) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+
+
+def test_the_heads_backward_takes_the_gradients_amax_by_rows_and_transposes_it_by_a_copy():
+    """Under ``head-backward`` the head's backward is in the loss's graph: there the logits' gradient
+    gets an amax by rows and the tiled transpose; under the default recipe (head in BF16) no graph has
+    either."""
+    calls = backward_calls("head-backward")
+    copies = [op for op, _ in calls if op is torch.ops.hf_fp8.transposed_fp8.default]
+    amax_dims = [
+        tuple(args[1]) if len(args) > 1 else () for op, args in calls if op is torch.ops.aten.amax.default
+    ]
+    by_rows = sum(dims in ((1,), (-1,)) for dims in amax_dims)
+    assert len(copies) == 2 and by_rows >= 2, "one each in the first step's graph and in the later one"
+    assert not any(op is torch.ops.hf_fp8.transposed_fp8.default for op, _ in backward_calls(None))
 
 
 @pytest.mark.gpu
