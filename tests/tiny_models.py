@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, T5ForConditionalGeneration
 
 from hf_fp8.integrations.causal_lm_loss import causal_lm_loss
@@ -18,6 +22,20 @@ def with_compiled_loss(model: torch.nn.Module) -> torch.nn.Module:
     rounding. With it, compiled and eager steps with the same backend's arithmetic agree to the bit."""
     model.loss_function = causal_lm_loss
     return model
+
+
+def keeping_backward_graphs(graphs: list[torch.fx.GraphModule]) -> Callable:
+    """A ``torch.compile`` backend: aot_eager that appends every backward graph it compiles to ``graphs``."""
+
+    def keep_backward(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(
+        fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
+        bw_compiler=keep_backward,
+        keep_inference_input_mutations=True,
+    )
 
 
 _DECODER = dict(

@@ -10,8 +10,6 @@ from collections.abc import Callable
 import pytest
 import tiny_models as tm
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -134,20 +132,10 @@ def backward_calls(recipe: str | None) -> list[tuple[object, tuple]]:
     """The ops (and their arguments) of every compiled backward of two training steps of a tiny Llama
     patched with ``recipe`` (``None``: the default) and compiled by ``hf_fp8.compile``."""
     graphs: list[torch.fx.GraphModule] = []
-
-    def keep_backward(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        graphs.append(graph)
-        return make_boxed_func(graph.forward)
-
-    backend = aot_autograd(
-        fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
-        bw_compiler=keep_backward,
-        keep_inference_input_mutations=True,
-    )
     torch._dynamo.reset()
     model = tm.build("llama")
     hf_fp8.patch_model(model, recipe)
-    hf_fp8.compile(model, backend=backend)
+    hf_fp8.compile(model, backend=tm.keeping_backward_graphs(graphs))
     batch = tm.batch_for("llama", 32, seed=0)
     for _ in range(2):  # own amaxes, then delayed scales
         model(**batch).loss.backward()

@@ -8,35 +8,22 @@ import copy
 import pytest
 import tiny_models as tm
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import hf_fp8
 
 
-def tangent_counting_backend(tangents: list[int]):
-    """aot_eager that records how many gradients of outputs each compiled backward takes."""
-
-    def backward(graph: torch.fx.GraphModule, example_inputs):
-        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-        tangents.append(sum(n.name.startswith("tangents") for n in placeholders))
-        return make_boxed_func(graph.forward)
-
-    return aot_autograd(
-        fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
-        bw_compiler=backward,
-        keep_inference_input_mutations=True,
-    )
-
-
 def test_the_head_graph_backward_takes_the_loss_gradient_alone():
     torch._dynamo.reset()
-    tangents: list[int] = []
+    graphs: list[torch.fx.GraphModule] = []
     model = tm.build("llama")
     hf_fp8.patch_model(model)
-    hf_fp8.compile(model, backend=tangent_counting_backend(tangents))
+    hf_fp8.compile(model, backend=tm.keeping_backward_graphs(graphs))
     model(**tm.batch_for("llama", 32)).loss.backward()
+    # how many gradients of outputs each compiled backward takes
+    tangents = [
+        sum(n.op == "placeholder" and n.name.startswith("tangents") for n in g.graph.nodes) for g in graphs
+    ]
     assert tangents == [1, 1], "the head's backward (first) and the block's: one output gradient each"
 
 
