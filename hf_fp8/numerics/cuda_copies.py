@@ -32,12 +32,13 @@ def cast_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, fmt: Fp8F
 
 
 def transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t.t()`` of a 2-D tensor of one-byte values, as a new contiguous tensor."""
+    """``t.transpose(-2, -1)`` of a 2-D tensor, or of each matrix of a 3-D one, of one-byte values, as a
+    new contiguous tensor."""
     if _triton_runs_on(t):
         from hf_fp8.numerics import triton_kernels  # only where Triton is installed
 
         return triton_kernels.transposed_copy(t.contiguous())
-    return t.t().clone(memory_format=torch.contiguous_format)
+    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 def _triton_runs_on(t: torch.Tensor) -> bool:

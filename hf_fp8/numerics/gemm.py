@@ -240,19 +240,22 @@ def _(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hf_fp8::transposed_fp8", mutates_args=())
 def transposed_fp8(t: torch.Tensor) -> torch.Tensor:
-    """``t.T`` of a 2-D tensor of one-byte values, as a new contiguous tensor, in a pass of its own.
+    """``t.transpose(-2, -1)`` of a 2-D tensor (or of each matrix of a 3-D one) of one-byte values, as a
+    new contiguous tensor, in a pass of its own.
 
-    For the logits' gradient, which the loss's backward makes in a kernel that reduces over each row of
-    the vocabulary: fused there, the transposed copy is written one byte at a stride (Gemma-3's 262k
-    vocabulary, 8192 tokens: that kernel took 7.8 ms on an H200). As an op Inductor leaves alone, it is
-    a tiled copy (:func:`hf_fp8.numerics.cuda_copies.transposed_copy` on a GPU): the loss's kernel 4.0
-    ms, the copy 1.3 ms. Elsewhere Inductor fuses the transpose into the cast, which costs less."""
+    Where Inductor would fuse the transpose into a kernel that walks the other dimension, it writes (or
+    reads) one byte at a stride. For the logits' gradient, made by the loss's backward row by row
+    (Gemma-3's 262k vocabulary, 8192 tokens: that kernel took 7.8 ms on an H200), and for the transposed
+    FP8 copies of MoE experts (3-D weights, the weight gradient's operands), as an op Inductor leaves
+    alone it is a tiled copy (:func:`hf_fp8.numerics.cuda_copies.transposed_copy` on a GPU: the loss's
+    kernel 4.0 ms, the copy 1.3 ms). Elsewhere Inductor fuses the transpose into the cast, which costs
+    less."""
     return transposed_copy(t)
 
 
 @transposed_fp8.register_fake
 def _(t: torch.Tensor) -> torch.Tensor:
-    return t.new_empty((t.shape[1], t.shape[0]))
+    return t.new_empty((*t.shape[:-2], t.shape[-1], t.shape[-2]))
 
 
 def quantize(

@@ -35,9 +35,10 @@ def _saturating_cast_kernel(source, target, scale, count, fp8_max, BLOCK: tl.con
 def _transpose_kernel(source, target, rows, columns, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     column = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    matrix = tl.program_id(2).to(tl.int64) * rows * columns  # the offset of this matrix of the batch
     inside = (row[:, None] < rows) & (column[None, :] < columns)
-    tile = tl.load(source + row[:, None] * columns + column[None, :], mask=inside)
-    tl.store(target + column[None, :] * rows + row[:, None], tile, mask=inside)
+    tile = tl.load(source + matrix + row[:, None] * columns + column[None, :], mask=inside)
+    tl.store(target + matrix + column[None, :] * rows + row[:, None], tile, mask=inside)
 
 
 def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, out: torch.Tensor) -> torch.Tensor:
@@ -52,12 +53,13 @@ def saturating_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, out: t
 
 
 def transposed_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t.t().contiguous()`` for a contiguous 2-D tensor of one-byte values."""
-    rows, columns = t.shape
+    """``t.transpose(-2, -1).contiguous()`` for a contiguous 2-D or 3-D (a batch of matrices) tensor of
+    one-byte values."""
+    *batch, rows, columns = t.shape
     source = t.view(torch.uint8)
-    target = torch.empty((columns, rows), dtype=torch.uint8, device=t.device)
+    target = torch.empty((*batch, columns, rows), dtype=torch.uint8, device=t.device)
     if t.numel():
-        grid = (triton.cdiv(rows, _TILE), triton.cdiv(columns, _TILE))
+        grid = (triton.cdiv(rows, _TILE), triton.cdiv(columns, _TILE), batch[0] if batch else 1)
         _transpose_kernel[grid](source, target, rows, columns, TILE=_TILE)
     return target.view(t.dtype)
 

@@ -48,6 +48,14 @@ def test_the_output_heads_transposed_gradient_holds_the_same_values():
     assert torch.equal(transposed.view(torch.uint8), t.t().contiguous().view(torch.uint8))
 
 
+def test_each_matrix_of_a_3d_stack_is_transposed():  # MoE experts' weights: (experts, out, in)
+    t = awkward_values(3 * 48, 80, torch.float32, "cpu").to(E4M3.dtype).view(3, 48, 80)
+    transposed = transposed_fp8(t)
+    assert transposed.shape == (3, 80, 48) and transposed.is_contiguous()
+    for expert in range(3):
+        assert torch.equal(transposed[expert].view(torch.uint8), t[expert].t().contiguous().view(torch.uint8))
+
+
 def test_a_transposed_tile_cast_pads_the_rows_to_16_with_zeros_and_keeps_the_nan_in_its_amax():
     values = awkward_values(20, 300, torch.bfloat16, "cpu")
     rows_fp8, row_scales, t_fp8, t_scales, amax = cast_tiles_transposed(values, E4M3, 0, with_rows=True)
@@ -130,3 +138,15 @@ def test_gpu_the_output_heads_transposed_gradient_is_the_torch_transpose(fmt, ro
     assert torch.equal(transposed_fp8(t).view(torch.uint8), expected)
     compiled = torch.compile(lambda g: transposed_fp8(g * 1), fullgraph=True)  # behind a fused op
     assert torch.equal(compiled(t.view(torch.uint8)).view(torch.uint8), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("experts", "rows", "columns"), [(1, 16, 16), (8, 1000, 77), (64, 2048, 1024)])
+def test_gpu_a_stack_of_expert_matrices_is_transposed_matrix_by_matrix(experts, rows, columns):
+    t = (
+        awkward_values(experts * rows, columns, torch.float32, "cuda")
+        .to(E4M3.dtype)
+        .view(experts, rows, columns)
+    )
+    expected = t.transpose(-2, -1).contiguous().view(torch.uint8)
+    assert torch.equal(transposed_fp8(t).view(torch.uint8), expected)
