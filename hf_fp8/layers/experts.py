@@ -33,7 +33,14 @@ from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.layers.stored_weight import Fp8StoredWeight
 from hf_fp8.numerics.gemm import GemmConfig, quantize
-from hf_fp8.numerics.grouped import GroupLayout, expert_dgrad, expert_forward, expert_wgrad, group_layout
+from hf_fp8.numerics.grouped import (
+    GroupLayout,
+    expert_dgrad,
+    expert_forward,
+    expert_wgrad,
+    group_layout,
+    grouped_kernels_run_on,
+)
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Experts", "experts_problem", "experts_recipe", "is_experts"]
@@ -197,13 +204,17 @@ def _fp8_experts_forward(
     top_k = top_k_index.shape[-1]
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # each (token, choice) pair, grouped by expert
-    rows = hidden_states[order // top_k]
     counts = torch.zeros(module.num_experts, dtype=torch.int64, device=expert_ids.device)
     counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # static shape, unlike bincount
-    sorted_ids = expert_ids[order]
+    layout = group_layout(counts, expert_ids.numel(), grouped_kernels_run_on(hidden_states.device))
+    # Every row of the experts' GEMMs, in the layout they read and write (see hf_fp8.numerics.grouped):
+    # each pair's token gathered once, straight into its place; zero rows where no pair is.
+    pair = order[layout.source]
+    in_place = layout.valid.unsqueeze(-1)
+    rows = torch.where(in_place, hidden_states[pair // top_k], 0)
+    row_expert = expert_ids[pair]
     record = module.training and torch.is_grad_enabled()
     config = module.gemm_config(hidden_states)
-    layout = group_layout(counts, expert_ids.numel())
 
     def project(x: torch.Tensor, name: str, roles: tuple[int, int, int]) -> torch.Tensor:
         weight = getattr(module, name)
@@ -215,21 +226,26 @@ def _fp8_experts_forward(
                 roles, record, config, module.cast_counts,
             )  # fmt: skip
         bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
-        return out + bias[sorted_ids].to(out.dtype) if bias is not None else out
+        return out + bias[row_expert].to(out.dtype) if bias is not None else out
 
-    up = project(rows, _up_name(module), (UP_INPUT, UP_WEIGHT, UP_GRAD))
+    # Places without a row are kept zero after each GEMM: past the last group the grouped kernel leaves
+    # its output unwritten (NaN would reach an amax through the activation's backward, 0 * NaN).
+    up = torch.where(in_place, project(rows, _up_name(module), (UP_INPUT, UP_WEIGHT, UP_GRAD)), 0)
     hidden_up = module._apply_gate(up) if module.has_gate else module.act_fn(up)
+    hidden_up = torch.where(in_place, hidden_up, 0)  # an activation with act(0) != 0, a bias
     down = project(hidden_up, "down_proj", (DOWN_INPUT, DOWN_WEIGHT, DOWN_GRAD))
+    place_of_pair = torch.empty_like(order).scatter_(0, order, layout.destination)  # token by token
+    down = down[place_of_pair]
     if getattr(module, "has_post_expert_norm", False):
         down = module.post_expert_norm(down)
-    weighted = down * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
-    restored = torch.zeros_like(weighted).index_copy(0, order, weighted)
-    return restored.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    weighted = down * top_k_weights.reshape(-1, 1).to(down.dtype)
+    return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
 class _GroupedFp8Linear(torch.autograd.Function):
-    """``x_e @ W_e.T`` for each expert e over its rows of ``x`` (grouped as ``layout`` says), all three
-    GEMMs in FP8 (:mod:`hf_fp8.numerics.grouped`), one cast of ``x``, of ``W`` and of the output gradient."""
+    """``x_e @ W_e.T`` for each expert e over its rows of ``x`` (laid out as ``layout`` says, and so is
+    the result), all three GEMMs in FP8 (:mod:`hf_fp8.numerics.grouped`), one cast of ``x``, of ``W``
+    and of the output gradient."""
 
     @staticmethod
     def forward(

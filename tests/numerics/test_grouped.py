@@ -3,6 +3,8 @@ and direction on Hopper equal to the per-expert GEMMs on the same FP8 values."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import tiny_models as tm
 import torch
@@ -18,17 +20,36 @@ def test_group_layout_starts_every_expert_at_a_multiple_of_16():
     """The grouped kernels read each expert's rows from a padded buffer: rows keep their order, every
     group starts at a multiple of 16, an expert without rows takes no room."""
     counts = torch.tensor([5, 0, 17, 16, 1])
-    layout = group_layout(counts, 39)
+    layout = group_layout(counts, 39, grouped=True)
     assert layout.offsets.tolist() == [16, 16, 48, 64, 80] and layout.offsets.dtype == torch.int32
+    assert layout.starts.tolist() == [0, 16, 16, 48, 64]
     assert layout.padded_rows == 128, "39 rows and up to 15 of padding for each of 5 experts, to 16"
     assert layout.destination.tolist() == [*range(5), *range(16, 33), *range(48, 64), 64]
+    assert layout.valid.sum() == 39 and layout.valid[layout.destination].all()
+    assert torch.equal(layout.source[layout.destination], torch.arange(39))
+    assert not layout.source[~layout.valid].any(), "places without a row point at row 0 (masked)"
 
 
-def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None):
+def test_the_per_expert_layout_has_no_padding():
+    counts = torch.tensor([5, 0, 17, 16, 1])
+    layout = group_layout(counts, 39, grouped=False)
+    assert layout.padded_rows == 39 and layout.valid.all()
+    assert layout.starts.tolist() == [0, 5, 5, 22, 38] and layout.offsets.tolist() == [5, 5, 22, 38, 39]
+    assert torch.equal(layout.destination, torch.arange(39)) and torch.equal(layout.source, torch.arange(39))
+
+
+def laid_out(t: torch.Tensor, layout) -> torch.Tensor:
+    """``t``'s rows (grouped by expert) at their places in the layout's buffer, zero rows elsewhere."""
+    rows = t.view(torch.uint8)[layout.source]
+    return torch.where(layout.valid[:, None], rows, 0).view(t.dtype)
+
+
+def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, rounded=True):
     """What ``torch._scaled_grouped_mm`` computes (CUDA only), in float32 on the CPU, for the two cases
     hf-fp8 uses: groups of rows (2-D x 3-D) and groups along the contraction (2-D x 2-D, out (G, N, K)).
     The arguments first pass the kernel's own checks (its meta function: layouts, scale shapes); rows
-    outside every group come back NaN, as the kernel leaves them unwritten."""
+    outside every group come back NaN, as the kernel leaves them unwritten. ``rounded=False`` returns
+    the float32 result, before the kernel's rounding to ``out_dtype``."""
 
     def meta(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
@@ -42,13 +63,14 @@ def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=Non
         out = torch.full((a.shape[0], b.shape[-1]), float("nan"))
         for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
             out[start:end] = a[start:end] * scale_a[start:end, None] @ (b[g] * scale_b[g])
-        return out.to(out_dtype)
+        return out.to(out_dtype) if rounded else out
     n, k = a.shape[0], b.shape[1]
     parts = [
         (a[:, s:e] * scale_a[g * n : (g + 1) * n, None]) @ (b[s:e] * scale_b[g * k : (g + 1) * k])
         for g, (s, e) in enumerate(zip(starts, ends, strict=True))
     ]
-    return torch.stack(parts).to(out_dtype)
+    out = torch.stack(parts)
+    return out.to(out_dtype) if rounded else out
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -56,8 +78,6 @@ def test_the_grouped_branch_lays_rows_out_for_the_kernel(monkeypatch, transposed
     """The grouped branch (padded layout, expanded scales, operand layouts) on the CPU against the
     per-expert GEMMs, with the kernel's reference standing in for the CUDA-only kernel (the GPU test
     below runs the kernel itself)."""
-    import hf_fp8.numerics.grouped as grouped
-
     counts = torch.tensor([37, 0, 16, 5, 70])
     rows, experts, k, n = int(counts.sum()), counts.numel(), 64, 96
     torch.manual_seed(0)
@@ -66,20 +86,58 @@ def test_the_grouped_branch_lays_rows_out_for_the_kernel(monkeypatch, transposed
     stack = torch.randn(experts, k, n) if transposed else torch.randn(experts, n, k)
     weight = stack.to(fp8).transpose(-2, -1) if transposed else stack.to(fp8)
     x_inv, w_inv, dy_inv = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
-    layout = group_layout(counts, rows)
 
-    def gemms():
+    def gemms(grouped: bool):
+        layout = group_layout(counts, rows, grouped)
+        xs, dys = laid_out(x, layout), laid_out(dy, layout)
         return [
-            expert_forward(x, weight, x_inv, w_inv, layout, torch.float32),
-            expert_dgrad(dy, weight, dy_inv, w_inv, layout, torch.float32),
-            expert_wgrad(dy, x, dy_inv, x_inv, layout, torch.float32),
+            expert_forward(xs, weight, x_inv, w_inv, layout, torch.float32)[layout.destination],
+            expert_dgrad(dys, weight, dy_inv, w_inv, layout, torch.float32)[layout.destination],
+            expert_wgrad(dys, xs, dy_inv, x_inv, layout, torch.float32),
         ]
 
-    expected = gemms()
-    monkeypatch.setattr(grouped, "grouped_kernels", lambda a, b: True)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", reference_scaled_grouped_mm)
-    for name, got, want in zip(("forward", "dgrad", "wgrad"), gemms(), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-9 * want.abs().max().item(), msg=name)
+    expected = gemms(grouped=False)  # one exact FP8 GEMM per expert
+    kernel_calls = []
+
+    def kernel(*args, **kwargs):
+        kernel_calls.append(args[1].dim())
+        return reference_scaled_grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", kernel)
+    got = gemms(grouped=True)
+    assert kernel_calls == [3, 3, 2], "forward and dgrad on the 3-D weights, wgrad along the rows"
+    for name, g, want in zip(("forward", "dgrad", "wgrad"), got, expected, strict=True):
+        torch.testing.assert_close(g, want, rtol=2**-8, atol=2**-9 * want.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_experts_module_on_the_grouped_layout_trains_as_on_the_per_expert_gemms(monkeypatch, arch):
+    """A whole MoE model through the grouped branch on the CPU (the kernel's reference, which leaves the
+    rows past the last group NaN as the kernel leaves them unwritten, and in float32 here: the kernel's
+    rounding to BF16 is not what this test is about) against the per-expert GEMMs: the same loss and
+    gradients up to float32 rounding, every one finite (places without a row are masked before any
+    amax)."""
+
+    def train(grouped: bool):
+        model = build(arch)
+        hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(format="e4m3", convert_experts=True), backend="native")
+        with monkeypatch.context() as patch:
+            if grouped:
+                patch.setattr("hf_fp8.layers.experts.grouped_kernels_run_on", lambda device: True)
+                patch.setattr(
+                    torch, "_scaled_grouped_mm", functools.partial(reference_scaled_grouped_mm, rounded=False)
+                )
+            loss = model(**tm.batch_for("llama", 32)).loss
+            loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        return loss.detach(), [p.grad for p in params]
+
+    (loss, grads), (expected_loss, expected_grads) = train(grouped=True), train(grouped=False)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    assert len(grads) == len(expected_grads)
+    for got, expected in zip(grads, expected_grads, strict=True):
+        assert got.isfinite().all()
+        assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.9999
 
 
 @pytest.mark.gpu
@@ -121,12 +179,13 @@ def test_gpu_grouped_gemms_equal_the_per_expert_gemms_on_the_same_fp8_values(tra
     x_inv, w_inv, dy_inv = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
 
     def gemms(device: str):
-        layout = group_layout(torch.tensor(counts, device=device), rows)
-        xs, ws, dys = x.to(device), weight.to(device), dy.to(device)
+        layout = group_layout(torch.tensor(counts, device=device), rows, grouped=device == "cuda")
+        xs, dys = laid_out(x.to(device), layout), laid_out(dy.to(device), layout)
+        ws = weight.to(device)
         inv = [t.to(device) for t in (x_inv, w_inv, dy_inv)]
         return [
-            expert_forward(xs, ws, inv[0], inv[1], layout, torch.float32).cpu(),
-            expert_dgrad(dys, ws, inv[2], inv[1], layout, torch.float32).cpu(),
+            expert_forward(xs, ws, inv[0], inv[1], layout, torch.float32)[layout.destination].cpu(),
+            expert_dgrad(dys, ws, inv[2], inv[1], layout, torch.float32)[layout.destination].cpu(),
             expert_wgrad(dys, xs, inv[2], inv[0], layout, torch.float32).cpu(),
         ]
 
