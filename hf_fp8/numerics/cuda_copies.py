@@ -1,12 +1,13 @@
-"""Two copies that no compiled graph reaches, in one pass each on a GPU.
+"""Two copies that Inductor does not generate, in one pass each on a GPU.
 
 FSDP2 runs its all-gather hook eagerly, so the cast of each weight's shard to FP8 there runs as torch ops:
 four passes over the shard (to float32, times the scale, clamp, convert; 27 bytes moved a BF16 value).
 A weight already in FP8 (all-gathered so, or stored frozen) reaches the input gradient's GEMM through a
-column-major copy that is an opaque op on purpose (see :func:`hf_fp8.numerics.gemm.column_major_copy`);
-eagerly, a one-byte transpose is an uncoalesced strided copy (290 GB/s on an H100). On CUDA tensors both
-are a Triton kernel of :mod:`hf_fp8.numerics.triton_kernels` (2.3 TB/s for that transpose); elsewhere,
-and where Triton is not installed, the torch ops, which give the same bytes.
+column-major copy that is an opaque op on purpose (see :func:`hf_fp8.numerics.gemm.column_major_copy`;
+so are the transposes of :func:`hf_fp8.numerics.gemm.transposed_fp8`, for the logits' gradient and MoE
+experts); eagerly, a one-byte transpose is an uncoalesced strided copy (290 GB/s on an H100). On CUDA
+tensors both are a Triton kernel of :mod:`hf_fp8.numerics.triton_kernels` (2.3 TB/s for that
+transpose); elsewhere, and where Triton is not installed, the torch ops, which give the same bytes.
 """
 
 from __future__ import annotations
