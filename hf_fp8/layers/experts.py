@@ -232,7 +232,7 @@ def _fp8_experts_forward(
     # its output unwritten (NaN would reach an amax through the activation's backward, 0 * NaN).
     up = torch.where(in_place, project(rows, _up_name(module), (UP_INPUT, UP_WEIGHT, UP_GRAD)), 0)
     hidden_up = module._apply_gate(up) if module.has_gate else module.act_fn(up)
-    hidden_up = torch.where(in_place, hidden_up, 0)  # an activation with act(0) != 0, a bias
+    hidden_up = torch.where(in_place, hidden_up, 0)  # an ungated activation with act(0) != 0
     down = project(hidden_up, "down_proj", (DOWN_INPUT, DOWN_WEIGHT, DOWN_GRAD))
     place_of_pair = torch.empty_like(order).scatter_(0, order, layout.destination)  # token by token
     down = down[place_of_pair]

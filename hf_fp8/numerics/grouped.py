@@ -47,7 +47,7 @@ class GroupLayout(NamedTuple):
     starts: torch.Tensor  # (experts,) int64: the first row of each expert's group
     offsets: torch.Tensor  # (experts,) int32: the end of each expert's (padded) group
     destination: torch.Tensor  # (rows,) int64: each row's place in the buffer
-    source: torch.Tensor  # (buffer rows,) int64: the row at each place (0 where there is none)
+    source: torch.Tensor  # (buffer rows,) int64: which of the grouped rows is at each place (0 if none)
     valid: torch.Tensor  # (buffer rows,) bool: whether a place holds a row
     padded_rows: int  # rows of the buffer: enough for any counts (rows past the last group unwritten)
     grouped: bool  # whether the grouped kernels run (else one GEMM per expert)
@@ -141,9 +141,6 @@ def expert_wgrad(
     return grad
 
 
-_loop_announced: set[tuple[torch.dtype, torch.dtype]] = set()
-
-
 def _grouped_kernels(a: torch.Tensor, b: torch.Tensor, layout: GroupLayout) -> bool:
     """Whether this pairing runs on the grouped kernels: a grouped layout and E4M3 x E4M3."""
     return layout.grouped and a.dtype == b.dtype == E4M3.dtype
@@ -175,6 +172,9 @@ def _experts_mm(
     for g, (start, end) in _groups(layout):
         out[start:end] = _rows_mm(a[start:end], right[g], a_inverse, b_inverse, out_dtype)
     return out
+
+
+_loop_announced: set[tuple[torch.dtype, torch.dtype]] = set()
 
 
 def _rows_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype) -> torch.Tensor:

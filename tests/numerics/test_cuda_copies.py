@@ -54,6 +54,8 @@ def test_each_matrix_of_a_3d_stack_is_transposed():  # MoE experts' weights: (ex
     assert transposed.shape == (3, 80, 48) and transposed.is_contiguous()
     for expert in range(3):
         assert torch.equal(transposed[expert].view(torch.uint8), t[expert].t().contiguous().view(torch.uint8))
+    with pytest.raises(ValueError, match="4-D"):
+        transposed_fp8(t.view(3, 2, 24, 80))
 
 
 def test_a_transposed_tile_cast_pads_the_rows_to_16_with_zeros_and_keeps_the_nan_in_its_amax():

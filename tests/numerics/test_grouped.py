@@ -115,8 +115,8 @@ def test_the_experts_module_on_the_grouped_layout_trains_as_on_the_per_expert_ge
     """A whole MoE model through the grouped branch on the CPU (the kernel's reference, which leaves the
     rows past the last group NaN as the kernel leaves them unwritten, and in float32 here: the kernel's
     rounding to BF16 is not what this test is about) against the per-expert GEMMs: the same loss and
-    gradients up to float32 rounding, every one finite (places without a row are masked before any
-    amax)."""
+    gradients up to float32 rounding, every one finite, and the same amaxes (places without a row are
+    masked before any amax)."""
 
     def train(grouped: bool):
         model = build(arch)
@@ -130,7 +130,7 @@ def test_the_experts_module_on_the_grouped_layout_trains_as_on_the_per_expert_ge
             loss = model(**tm.batch_for("llama", 32)).loss
             loss.backward()
         params = [p for p in model.parameters() if p.grad is not None]
-        return loss.detach(), [p.grad for p in params]
+        return loss.detach(), [p.grad for p in params] + [m.amax_history for m in experts_of(model)]
 
     (loss, grads), (expected_loss, expected_grads) = train(grouped=True), train(grouped=False)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
