@@ -210,8 +210,12 @@ def _fp8_experts_forward(
     # Every row of the experts' GEMMs, in the layout they read and write (see hf_fp8.numerics.grouped):
     # each pair's token gathered once, straight into its place; zero rows where no pair is.
     pair = order[layout.source]
-    in_place = layout.valid.unsqueeze(-1)
-    rows = torch.where(in_place, hidden_states[pair // top_k], 0)
+
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        """``t`` with zero rows at the places without a pair (only a grouped layout has any)."""
+        return torch.where(layout.valid.unsqueeze(-1), t, 0) if layout.grouped else t
+
+    rows = placed(hidden_states[pair // top_k])
     row_expert = expert_ids[pair]
     record = module.training and torch.is_grad_enabled()
     config = module.gemm_config(hidden_states)
@@ -230,9 +234,9 @@ def _fp8_experts_forward(
 
     # Places without a row are kept zero after each GEMM: past the last group the grouped kernel leaves
     # its output unwritten (NaN would reach an amax through the activation's backward, 0 * NaN).
-    up = torch.where(in_place, project(rows, _up_name(module), (UP_INPUT, UP_WEIGHT, UP_GRAD)), 0)
+    up = placed(project(rows, _up_name(module), (UP_INPUT, UP_WEIGHT, UP_GRAD)))
     hidden_up = module._apply_gate(up) if module.has_gate else module.act_fn(up)
-    hidden_up = torch.where(in_place, hidden_up, 0)  # an ungated activation with act(0) != 0
+    hidden_up = placed(hidden_up)  # an ungated activation with act(0) != 0
     down = project(hidden_up, "down_proj", (DOWN_INPUT, DOWN_WEIGHT, DOWN_GRAD))
     place_of_pair = torch.empty_like(order).scatter_(0, order, layout.destination)  # token by token
     down = down[place_of_pair]

@@ -8,13 +8,12 @@ group's rows to start at a multiple of 16 (the weight gradient contracts over th
 between; zero rows add nothing to any product. The caller gathers its rows into that buffer once
 (``layout.source`` and ``layout.valid`` say what goes where), and every GEMM here reads and writes
 rows so laid out: no copy between a projection and the next, nor between the forward and the
-backward. The grouped kernels
-take E4M3 operands, float32 scales per row and column (a tensorwise scale is expanded to them: the
-same numbers) and write BF16. The column-major copies they read (of the weights, for the input
-gradient; of the gradient and the input, for the weight gradient) are tiled one-byte transposes
-(:func:`hf_fp8.numerics.gemm.transposed_fp8`): fused into Inductor's kernels they were written one
-byte at a stride. A pairing they cannot run (an E5M2 gradient under ``format: hybrid``) runs expert by
-expert, announced once.
+backward. The grouped kernels take E4M3 operands, float32 scales per row and column (a tensorwise
+scale is expanded to them: the same numbers) and write BF16. The column-major copies they read (of
+the weights, for the input gradient; of the gradient and the input, for the weight gradient) are
+tiled one-byte transposes (:func:`hf_fp8.numerics.gemm.transposed_fp8`): fused into Inductor's
+kernels they were written one byte at a stride. A pairing they cannot run (an E5M2 gradient under
+``format: hybrid``) runs expert by expert, announced once.
 """
 
 from __future__ import annotations
