@@ -7,6 +7,11 @@ the loss) compiles as one graph of its own, FP8 layers elsewhere outside the blo
 What Inductor then fuses per block is what makes the native FP8 path fast: each cast, its transpose
 and its amax become one kernel, fused into the norm or activation that produced the tensor.
 
+Every graph it makes with Inductor runs one pass of this package first: attention that broadcasts a
+single key/value head over all query heads (Falcon's multi-query attention) asks PyTorch for
+grouped-query attention instead, the same values on its fused kernels rather than float32 math (see
+:mod:`hf_fp8.integrations.multi_query`).
+
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
 amax: its graph is compiled too, and the block compiles once more for the steady state (a Python flag
 per layer says which, never a branch on tensor values). An eager first step would need more memory
@@ -40,6 +45,7 @@ from hf_fp8.integrations.graph_steps import (
     replays_graphs,
     wants_cuda_graphs,
 )
+from hf_fp8.integrations.multi_query import with_graph_passes
 from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
@@ -80,6 +86,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             "backend='native' for the compiled fast path"
         )
     _announce_emulation(model)
+    options = with_graph_passes(options)  # multi-query attention on the fused kernels
     gathered = gather_blocks_whole(model, zero_stage(model))  # under ZeRO-3
     if gathered is not None and state is not None:
         state.report.notes.append(gathered)
