@@ -19,7 +19,11 @@ from typing import Any
 
 import torch
 from torch._inductor import list_mode_options
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+try:  # torch >= 2.6, whose SDPA takes enable_gqa (2.5) and whose Inductor caches a pass by its uuid
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # an older torch compiles without the pass
+    CustomGraphPass = object
 
 __all__ = ["MultiQueryAsGroupedQuery", "with_graph_passes"]
 
@@ -55,9 +59,9 @@ def _broadcasts_one_head(node: torch.fx.Node) -> bool:
 def with_graph_passes(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` keyword arguments with :class:`MultiQueryAsGroupedQuery` among Inductor's
     pre-grad passes. A ``mode`` becomes the Inductor options it stands for (``torch.compile`` takes a
-    mode or options, not both); other backends, and a caller who gave both, get the arguments as they
-    are, as does one with a pre-grad pass of their own."""
-    if compile_kwargs.get("backend", "inductor") != "inductor":
+    mode or options, not both); other backends, a caller who gave both or a pre-grad pass of their own,
+    and torch before 2.6 get the arguments as they are."""
+    if CustomGraphPass is object or compile_kwargs.get("backend", "inductor") != "inductor":
         return compile_kwargs
     mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options")
     if mode is not None and options is not None:
