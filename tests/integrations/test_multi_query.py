@@ -4,13 +4,21 @@ hf_fp8.compile: the same values, on PyTorch's fused kernels instead of float32 m
 from __future__ import annotations
 
 import copy
+import hashlib
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, FalconConfig
 
 import hf_fp8
+import hf_fp8.integrations.multi_query as multi_query
 from hf_fp8.integrations.multi_query import MultiQueryAsGroupedQuery, with_graph_passes
+
+needs_custom_passes = pytest.mark.skipif(
+    multi_query.CustomGraphPass is object, reason="torch before 2.6 compiles without the pass"
+)
 
 
 def falcon(multi_query: bool = True, device: str = "cpu") -> torch.nn.Module:
@@ -24,9 +32,9 @@ def falcon(multi_query: bool = True, device: str = "cpu") -> torch.nn.Module:
     return model.train()
 
 
-def attention_calls(block: torch.nn.Module, width: int = 64) -> list[dict]:
-    """The keyword arguments of the attention calls in the graph Dynamo captures from ``block``, before
-    and after the pass."""
+def attention_calls(fn, *args, **kwargs) -> tuple[list[dict], list[dict]]:
+    """The keyword arguments of the attention calls in the graph Dynamo captures from ``fn(*args,
+    **kwargs)``, before and after the pass."""
     graphs = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -34,29 +42,69 @@ def attention_calls(block: torch.nn.Module, width: int = 64) -> list[dict]:
         return gm.forward
 
     torch._dynamo.reset()
-    x = torch.randn(2, 16, width)
-    positions = torch.arange(16)[None]
-    rotary = block.self_attention.rotary_emb if hasattr(block.self_attention, "rotary_emb") else None
-    kwargs = dict(alibi=None, attention_mask=None, position_ids=positions)
-    if rotary is None:
-        kwargs["position_embeddings"] = (torch.ones(1, 16, 16), torch.zeros(1, 16, 16))
-    torch.compile(block, backend=capture)(x, **kwargs)
+    torch.compile(fn, backend=capture)(*args, **kwargs)
     graph = graphs[0].graph
-    found = lambda: [dict(n.kwargs) for n in graph.nodes if "scaled_dot_product" in str(n.target)]  # noqa: E731
+
+    def found() -> list[dict]:
+        return [dict(n.kwargs) for n in graph.nodes if "scaled_dot_product" in str(n.target)]
+
     before = found()
     MultiQueryAsGroupedQuery()(graph)
-    return [before, found()]
+    return before, found()
 
 
-def test_one_key_value_head_for_several_query_heads_becomes_grouped_query_attention():
-    (before,), (after,) = attention_calls(falcon().transformer.h[0])
+def falcon_block_calls(multi_query: bool) -> tuple[list[dict], list[dict]]:
+    block = falcon(multi_query).transformer.h[0]
+    rotary = (torch.ones(1, 16, 16), torch.zeros(1, 16, 16))
+    kwargs = dict(
+        alibi=None, attention_mask=None, position_ids=torch.arange(16)[None], position_embeddings=rotary
+    )
+    return attention_calls(block, torch.randn(2, 16, 64), **kwargs)
+
+
+def test_a_multi_query_falcon_block_asks_for_grouped_query_attention():
+    (before,), (after,) = falcon_block_calls(multi_query=True)
     assert "enable_gqa" not in before and after["enable_gqa"] is True
     assert {k: v for k, v in after.items() if k != "enable_gqa"} == before
 
 
-def test_attention_with_a_key_value_head_per_query_head_is_left_alone():
-    (before,), (after,) = attention_calls(falcon(multi_query=False).transformer.h[0])
+def test_a_multi_head_falcon_block_is_left_alone():
+    (before,), (after,) = falcon_block_calls(multi_query=False)
     assert after == before and "enable_gqa" not in after
+
+
+def sdpa_positional(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, mask)
+
+
+def sdpa_keywords(q, k, v, mask):
+    return F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("call", "heads", "key_batch", "mask", "rewritten"),
+    [
+        (sdpa_positional, (4, 1), 2, None, True),
+        (sdpa_keywords, (4, 1), 2, None, True),  # operands given by name
+        (sdpa_positional, (4, 1), 2, (2, 1, 8, 8), True),
+        (sdpa_positional, (4, 1), 2, (8,), False),  # a 1-D mask, which grouped-query attention refuses
+        (sdpa_positional, (4, 1), 1, None, False),  # a broadcast batch, not only heads
+        (sdpa_positional, (1, 1), 2, None, False),  # one query head: nothing to group
+        (sdpa_positional, (4, 4), 2, None, False),
+    ],
+)
+def test_the_pass_rewrites_only_attention_that_broadcasts_one_key_value_head(
+    call, heads, key_batch, mask, rewritten
+):
+    """The values stay those of the call as written, whether it was rewritten or not."""
+    q = torch.randn(2, heads[0], 8, 16)
+    k, v = torch.randn(key_batch, heads[1], 8, 16), torch.randn(key_batch, heads[1], 8, 16)
+    attn_mask = None if mask is None else torch.zeros(mask)
+    _, (after,) = attention_calls(call, q, k, v, attn_mask)
+    assert after.get("enable_gqa", False) is rewritten
+    if rewritten:
+        grouped = F.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)
+        assert torch.allclose(grouped, call(q, k, v, attn_mask), atol=1e-6)
 
 
 def test_compiled_multi_query_model_trains_as_eager_in_fp8():
@@ -78,6 +126,29 @@ def test_compiled_multi_query_model_trains_as_eager_in_fp8():
         assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), name
 
 
+@needs_custom_passes
+def test_hf_fp8_compile_runs_the_pass_on_its_graphs(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # compiled afresh, not from the cache
+    seen = []
+    original = MultiQueryAsGroupedQuery.__call__
+    monkeypatch.setattr(
+        MultiQueryAsGroupedQuery, "__call__", lambda self, g: seen.append(g) or original(self, g)
+    )
+    torch._dynamo.reset()
+    model = falcon()
+    hf_fp8.compile(model)
+    ids = torch.randint(0, 128, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen, "hf_fp8.compile compiled without the multi-query pass"
+
+
+@needs_custom_passes
+def test_the_cache_key_follows_the_pass_code():
+    expected = hashlib.sha256(Path(multi_query.__file__).read_bytes()).hexdigest()
+    assert MultiQueryAsGroupedQuery().uuid() == expected
+
+
+@needs_custom_passes
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
@@ -90,7 +161,7 @@ def test_compile_arguments_gain_the_pass_and_keep_what_the_caller_asked(given, e
     made = with_graph_passes(given)
     options = made["options"]
     assert isinstance(options.pop("pre_grad_custom_pass"), MultiQueryAsGroupedQuery)
-    assert {k: v for k, v in options.items() if k in expected} == expected
+    assert options == expected
     assert "mode" not in made and made.get("fullgraph") == given.get("fullgraph")
 
 
