@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import EagerAndRecordGraphs
 from transformers import AutoModelForCausalLM, FalconConfig
 
 import hf_fp8
@@ -35,15 +36,10 @@ def falcon(multi_query: bool = True, device: str = "cpu") -> torch.nn.Module:
 def attention_calls(fn, *args, **kwargs) -> tuple[list[dict], list[dict]]:
     """The keyword arguments of the attention calls in the graph Dynamo captures from ``fn(*args,
     **kwargs)``, before and after the pass."""
-    graphs = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
+    recorder = EagerAndRecordGraphs()
     torch._dynamo.reset()
-    torch.compile(fn, backend=capture)(*args, **kwargs)
-    graph = graphs[0].graph
+    torch.compile(fn, backend=recorder)(*args, **kwargs)
+    graph = recorder.graphs[0].graph
 
     def found() -> list[dict]:
         return [dict(n.kwargs) for n in graph.nodes if "scaled_dot_product" in str(n.target)]
