@@ -22,7 +22,14 @@ from transformers.pytorch_utils import Conv1D
 from hf_fp8.backends.base import Fp8Backend, Replaced
 from hf_fp8.formats import compute_scale
 from hf_fp8.layers.experts import Fp8Experts
-from hf_fp8.layers.fp8_scaled import STATE_BUFFERS, Fp8Scaled, refresh_stored_scales
+from hf_fp8.layers.fp8_scaled import (
+    BACKWARD_BUFFERS,
+    STATE_BUFFERS,
+    Fp8Scaled,
+    fold_backward_records,
+    fold_replica_records,
+    refresh_stored_scales,
+)
 from hf_fp8.layers.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
 from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
@@ -189,7 +196,7 @@ class NativeBackend(Fp8Backend):
 
     def end_step(self, group: Any) -> None:
         self.watch.poll()
-        _fold_replica_records(self.layers)
+        fold_replica_records(self.layers)
         named = [(n, m) for n, m in zip(self.names, self.layers, strict=True) if not m.amax_history.is_meta]
         self.watch.submit(end_native_step([m for _, m in named], group, self.shared_inputs), named)
 
@@ -294,6 +301,7 @@ def end_native_step(
     if not layers:
         return None
     _record_step_end_amaxes(layers)
+    fold_backward_records(layers)
     # Each layer's newest amaxes, a row per role in role order: one flat tensor, reduced at once.
     newest = sync_amaxes([layer.amax_history[:, 0] for layer in layers], group)
     _record_gathered_weight_scales(layers)
@@ -315,31 +323,6 @@ def end_native_step(
         )
     refresh_stored_scales(layers)
     return bad
-
-
-@torch.no_grad()
-def _fold_replica_records(layers: list[Fp8Scaled]) -> None:
-    """Fold what nn.DataParallel's replicas of ``layers`` recorded in the step into the layers' own
-    state: each newest amax the largest any replica saw (as the all-reduce of ranks does), the cast
-    counts summed. One batch per replica: a fused CUDA kernel that met one layer's state twice in a
-    batch would add into it twice at once, and keep one of the two."""
-    rounds: list[tuple[list[torch.Tensor], ...]] = []
-    for layer in layers:
-        for index, (history, replica_counts) in enumerate(layer.take_replica_records()):
-            if index == len(rounds):
-                rounds.append(([], [], [], []))
-            amax_slots, amaxes, count_slots, counts = rounds[index]
-            if history is not layer.amax_history:  # the first GPU's replica writes into the layer's own
-                amax_slots.append(layer.amax_history[:, 0])
-                amaxes.append(history[:, 0].to(layer.amax_history.device, non_blocking=True))
-            if replica_counts is not None and layer.cast_counts is not None:
-                count_slots.append(layer.cast_counts)
-                counts.append(replica_counts.to(layer.cast_counts.device, non_blocking=True))
-    for amax_slots, amaxes, count_slots, counts in rounds:
-        if amax_slots:
-            torch._foreach_maximum_(amax_slots, amaxes)
-        if count_slots:
-            torch._foreach_add_(count_slots, counts)
 
 
 @torch.no_grad()
@@ -382,7 +365,8 @@ def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:
     """DDP copies rank 0's buffers to every rank before each forward. The FP8 layers' amax histories
     are buffers that must keep each rank's own newest amaxes until they are reduced together, so they
     are put on DDP's ignore list (its extension point for this; the model is not wrapped yet)."""
-    fp8_buffers = [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] in STATE_BUFFERS]
+    kept = STATE_BUFFERS + BACKWARD_BUFFERS
+    fp8_buffers = [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] in kept]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ignored + [n for n in fp8_buffers if n not in ignored]

@@ -41,6 +41,7 @@ from hf_fp8.numerics.grouped import (
     group_layout,
     grouped_kernels_run_on,
 )
+from hf_fp8.numerics.scaling import BackwardRecord
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Experts", "experts_problem", "experts_recipe", "is_experts"]
@@ -225,9 +226,10 @@ def _fp8_experts_forward(
         stored = isinstance(weight, Fp8StoredWeight)
         data, weight_scale = (weight._data, weight._scale) if stored else (weight, None)
         with torch.autocast(x.device.type, enabled=False):
+            written = module.backward_record()
             out = _GroupedFp8Linear.apply(
                 x, data, weight_scale, layout, module.is_transposed, module.amax_history, module.scale,
-                roles, record, config, module.cast_counts,
+                written.amax, written.scale, roles, record, config, module.cast_counts, written.cast_counts,
             )  # fmt: skip
         bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
         return out + bias[row_expert].to(out.dtype) if bias is not None else out
@@ -261,10 +263,13 @@ class _GroupedFp8Linear(torch.autograd.Function):
         transposed: bool,
         amax_history: torch.Tensor,
         scale: torch.Tensor,
+        backward_amax: torch.Tensor,
+        backward_scale: torch.Tensor,
         roles: tuple[int, int, int],
         record: bool,
         config: GemmConfig,
         cast_counts: torch.Tensor | None,
+        backward_counts: torch.Tensor | None,
     ) -> torch.Tensor:
         input_role, weight_role, grad_role = roles
         fmt = config.forward_format
@@ -287,21 +292,26 @@ class _GroupedFp8Linear(torch.autograd.Function):
         x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()
         w_fp8 = w_fp8.transpose(-2, -1) if transposed else w_fp8  # (experts, out, in)
         out = expert_forward(x_fp8, w_fp8, x_inverse, w_inverse, layout, config.out_dtype)
-        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse)
+        # the gradient's stored scale is read here: the backward never reads the state (see fp8_scaled)
+        dy_stored_scale = None
+        if config.stored_scales[grad_role]:
+            dy_stored_scale = scale[grad_role].to(torch.float32, copy=True)
+        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, dy_stored_scale)
         ctx.layout, ctx.transposed, ctx.grad_role = layout, transposed, grad_role
-        ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
-        ctx.cast_counts = cast_counts
+        ctx.backward_record = BackwardRecord(backward_amax, backward_scale, backward_counts)
+        ctx.record, ctx.config = record, config
         ctx.input_dtype, ctx.weight_dtype = x.dtype, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_fp8, w_fp8, x_inverse, w_inverse = ctx.saved_tensors
-        role = ctx.grad_role
+        x_fp8, w_fp8, x_inverse, w_inverse, dy_stored_scale = ctx.saved_tensors
+        role, written = ctx.grad_role, ctx.backward_record
         fmt = ctx.config.backward_format
         dy_scale, dy_fp8 = quantize(
-            grad_output, role, fmt, ctx.amax_history, ctx.scale, ctx.config, ctx.record, ctx.cast_counts
-        )
+            grad_output, role, fmt, written.amax, written.scale, ctx.config, ctx.record, written.cast_counts,
+            stored_scale=dy_stored_scale,
+        )  # fmt: skip
         dy_inverse = dy_scale.reciprocal()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -309,4 +319,4 @@ class _GroupedFp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = expert_wgrad(dy_fp8, x_fp8, dy_inverse, x_inverse, ctx.layout, ctx.weight_dtype)
             grad_w = grad_w.transpose(-2, -1) if ctx.transposed else grad_w
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, *(None,) * 12

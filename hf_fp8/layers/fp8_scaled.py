@@ -5,11 +5,18 @@ keeps an amax history and a scale as non-persistent buffers (never in ``state_di
 load unchanged), and a step counter. See :mod:`hf_fp8.numerics.scaling` for how they are used and updated. The
 module owns its state: it says which tensors it is (``scaling_state``), keeps them float32 whatever
 the model is cast to, and knows which roles already have a stored scale.
+
+Backwards never touch that state. What a backward records (its gradients' amaxes, the scales it applied,
+its cast counts) goes into the module's backward record, which the step's end folds into the state
+(:func:`fold_backward_records`); the stored scales a backward casts with are read by its forward. A
+compiled graph saves the tensors its backward uses and checks at the backward that nothing changed
+them since: had the backward used the state, a second training forward before the backward (DPO,
+contrastive losses) would have changed it and failed that check.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -17,12 +24,32 @@ from torch import nn
 from hf_fp8.autocast import fp8_active
 from hf_fp8.layers.layer_scaling import LayerScaling, RoleScaling
 from hf_fp8.numerics.gemm import GemmConfig
+from hf_fp8.numerics.scaling import BackwardRecord
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["STATE_BUFFERS", "Fp8Scaled", "refresh_stored_scales"]
+__all__ = [
+    "BACKWARD_BUFFERS",
+    "STATE_BUFFERS",
+    "Fp8Scaled",
+    "fold_backward_records",
+    "fold_replica_records",
+    "refresh_stored_scales",
+]
 
 # The buffers of a module's scaling state, as they are named in the module and in checkpoints.
 STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
+# The buffers of its backward record: zero between steps, so never in checkpoints.
+BACKWARD_BUFFERS = ("backward_amax", "backward_scale")
+
+
+class ReplicaRecord(NamedTuple):
+    """What one of nn.DataParallel's replicas of a module recorded in a step (see record_replica)."""
+
+    amax_history: torch.Tensor
+    backward_amax: torch.Tensor
+    cast_counts: torch.Tensor | None
+    backward_cast_counts: torch.Tensor | None
+
 
 # Steps at whose end a module reads back which of its roles have a stored scale (after that, a role
 # first seen later keeps scaling by its own amax: correct, if slower).
@@ -45,6 +72,11 @@ class Fp8Scaled(nn.Module):
         self.register_buffer("amax_history", history, persistent=False)
         self.register_buffer("scale", torch.zeros(roles, device=device), persistent=False)
         self.register_buffer("fp8_steps", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # The backward record: each role's amax as a one-slot history (the newest slot of amax_history,
+        # as the backward's casts see it) and the scale a backward applied (0: none recorded).
+        self.register_buffer("backward_amax", torch.zeros(roles, 1, device=device), persistent=False)
+        self.register_buffer("backward_scale", torch.zeros(roles, device=device), persistent=False)
+        self.backward_cast_counts: torch.Tensor | None = None
         # Per role, whether its stored scale comes from a history (see hf_fp8.numerics.scaling): a Python
         # flag, so that compiled code has no branch on tensor values. Read back from the scales at the end
         # of the module's first step and whenever the state is loaded: see refresh_stored_scales.
@@ -53,14 +85,15 @@ class Fp8Scaled(nn.Module):
         # What nn.DataParallel's replicas of this module recorded in the step (see record_replica): a
         # plain list, which every replica shares with this module (a replica's attributes are a shallow
         # copy of the module's).
-        self.replica_records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.replica_records: list[ReplicaRecord] = []
 
     def _apply(self, fn, recurse: bool = True):
         """Moves (``.to(device)``, ``.cuda()``) apply to the scaling state; dtype casts of the model
         (``.half()``, ``.to(torch.bfloat16)``) do not: amaxes and scales stay float32, where gradient
         scales of 1e7 and more fit (float16 would turn them into inf). State leaving the meta device
         (``to_empty``) starts from zero, as a fresh module's does, not from uninitialised memory."""
-        state = {name: self._buffers.pop(name) for name in STATE_BUFFERS if name in self._buffers}
+        kept = STATE_BUFFERS + BACKWARD_BUFFERS
+        state = {name: self._buffers.pop(name) for name in kept if name in self._buffers}
         try:
             super()._apply(fn, recurse)
         finally:
@@ -71,8 +104,9 @@ class Fp8Scaled(nn.Module):
                 if tensor.is_meta and not moved.is_meta:
                     moved = torch.zeros_like(moved)
                 self._buffers[name] = moved
-            if getattr(self, "cast_counts", None) is not None:  # the counts go where the casts happen
-                self.cast_counts = self.cast_counts.to(self.scale.device)
+            for counts in ("cast_counts", "backward_cast_counts"):  # the counts go where the casts happen
+                if getattr(self, counts, None) is not None:
+                    setattr(self, counts, getattr(self, counts).to(self.scale.device))
         return self
 
     def scaling_state(self, name: str) -> LayerScaling:
@@ -86,23 +120,34 @@ class Fp8Scaled(nn.Module):
     def count_casts(self, on: bool) -> None:
         """Count what the casts of the following training steps do (``on``), from zero, or stop: each
         cast adds ``[values, saturated, flushed]`` to its role's row of ``cast_counts`` (see
-        :class:`hf_fp8.layers.layer_scaling.CountsCasts`). A plain attribute, not a buffer: it is not saved,
-        synchronised or moved with the model, and a compiled block sees whether it is set."""
+        :class:`hf_fp8.layers.layer_scaling.CountsCasts`), a backward's cast to ``backward_cast_counts``
+        (added in at the step's end). Plain attributes, not buffers: they are not saved, synchronised or
+        moved with the model, and a compiled block sees whether they are set."""
         roles = len(self.ROLE_NAMES)
         device = self.scale.device
         self.cast_counts = torch.zeros(roles, 3, dtype=torch.int64, device=device) if on else None
+        self.backward_cast_counts = torch.zeros_like(self.cast_counts) if on else None
+
+    def backward_record(self) -> BackwardRecord:
+        """Where this module's backwards record (see the module's docstring)."""
+        return BackwardRecord(self.backward_amax, self.backward_scale, self.backward_cast_counts)
 
     def record_replica(self) -> None:
         """Called on nn.DataParallel's replica of this module for one GPU, before its training forward.
         The replica records amaxes into copies of the module's amax history (the first GPU's share its
         storage), which nn.DataParallel drops after the forward; the copies, and cast counts of the
-        replica's own, are kept in ``replica_records`` for the step's end to fold into the module's."""
+        replica's own, are kept in ``replica_records`` for the step's end to fold into the module's; so is
+        the replica's backward record (its backward writes into copies too)."""
         if self.cast_counts is not None:
             self.cast_counts = torch.zeros_like(self.cast_counts, device=self.scale.device)
-        self.replica_records.append((self.amax_history, self.cast_counts))
+            self.backward_cast_counts = torch.zeros_like(self.cast_counts)
+        record = ReplicaRecord(
+            self.amax_history, self.backward_amax, self.cast_counts, self.backward_cast_counts
+        )
+        self.replica_records.append(record)
 
-    def take_replica_records(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The (amax history, cast counts) of the replicas recorded since the last call."""
+    def take_replica_records(self) -> list[ReplicaRecord]:
+        """What the replicas recorded since the last call."""
         records, self.replica_records = self.replica_records, []
         return records
 
@@ -176,3 +221,63 @@ def refresh_stored_scales(modules: list[Fp8Scaled], restored: bool = False) -> N
         else:
             module.scale_checks_left = max(module.scale_checks_left - 1, 0)
         start += roles
+
+
+@torch.no_grad()
+def fold_backward_records(modules: list[Fp8Scaled]) -> None:
+    """At a step's end, fold each module's backward record into its scaling state and clear the record:
+    each role's newest amax becomes the larger of the two (a NaN stays), a scale a backward applied
+    replaces the stored one (as a forward's cast writes it), backward cast counts add to the forward's.
+
+    Modules whose state agrees in device and shape are folded together, stacked (a few kernels for the
+    whole model, each on whole tensors: a newest-amax slot is a strided view). Under delayed scaling
+    with a history no backward applies a scale of its own, and the scales are left alone."""
+    if not modules:
+        return
+    groups: dict[tuple, list[Fp8Scaled]] = {}
+    for module in modules:
+        groups.setdefault((module.amax_history.device, module.amax_history.shape), []).append(module)
+    for group in groups.values():
+        histories = [m.amax_history for m in group]
+        history = torch.stack(histories)  # (modules, roles, history length)
+        recorded = torch.stack([m.backward_amax for m in group])  # (modules, roles, 1)
+        history[:, :, :1] = torch.maximum(history[:, :, :1], recorded)
+        torch._foreach_copy_(histories, list(history.unbind(0)))
+        applied = [m for m in group if not all(m.stored_scale_roles()[m.FORWARD_ROLES :])]
+        if applied:
+            scales = [m.scale for m in applied]
+            stored, taken = torch.stack(scales), torch.stack([m.backward_scale for m in applied])
+            torch._foreach_copy_(scales, list(torch.where(taken > 0, taken, stored).unbind(0)))
+    counting = [m for m in modules if m.backward_cast_counts is not None and m.cast_counts is not None]
+    if counting:
+        torch._foreach_add_([m.cast_counts for m in counting], [m.backward_cast_counts for m in counting])
+        torch._foreach_zero_([m.backward_cast_counts for m in counting])
+    torch._foreach_zero_([m.backward_amax for m in modules] + [m.backward_scale for m in modules])
+
+
+@torch.no_grad()
+def fold_replica_records(layers: list[Fp8Scaled]) -> None:
+    """Fold what nn.DataParallel's replicas of ``layers`` recorded in the step into the layers' own
+    state: each newest amax the largest any replica saw, forward or backward (as the all-reduce of
+    ranks does), the cast counts summed. One batch per replica: a fused CUDA kernel that met one
+    layer's state twice in a batch would add into it twice at once, and keep one of the two."""
+    rounds: list[tuple[list[torch.Tensor], ...]] = []
+    for layer in layers:
+        for index, record in enumerate(layer.take_replica_records()):
+            if index == len(rounds):
+                rounds.append(([], [], [], []))
+            amax_slots, amaxes, count_slots, counts = rounds[index]
+            # the first GPU's replica writes into the layer's own state (and its backward record)
+            if record.amax_history is not layer.amax_history:
+                amax_slots.append(layer.amax_history[:, :1])
+                newest = torch.maximum(record.amax_history[:, :1], record.backward_amax)
+                amaxes.append(newest.to(layer.amax_history.device, non_blocking=True))
+            if record.cast_counts is not None and layer.cast_counts is not None:
+                count_slots.append(layer.cast_counts)
+                replica_counts = record.cast_counts + record.backward_cast_counts
+                counts.append(replica_counts.to(layer.cast_counts.device, non_blocking=True))
+    for amax_slots, amaxes, count_slots, counts in rounds:
+        if amax_slots:
+            torch._foreach_maximum_(amax_slots, amaxes)
+        if count_slots:
+            torch._foreach_add_(count_slots, counts)

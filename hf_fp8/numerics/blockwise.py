@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.cuda_copies import triton_installed
 from hf_fp8.numerics.gemm import GemmConfig, in_dtype, pad_rows
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax
 
 __all__ = [
     "BLOCK",
@@ -62,6 +62,7 @@ def block_linear(
     bias: torch.Tensor | None,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
+    backward_record: BackwardRecord,
     record: bool,
     config: GemmConfig,
     stored: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -69,7 +70,16 @@ def block_linear(
     """``x @ weight.T + bias`` with block-scaled FP8 operands (see the module docstring). ``stored`` is
     a frozen weight already in FP8: its values and 128x128 block scales, used as they are."""
     out = _BlockFp8Linear.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config, stored
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        amax_history,
+        scale,
+        backward_record.amax,
+        backward_record.scale,
+        record,
+        config,
+        stored,
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -211,7 +221,19 @@ def _cast(
 
 class _BlockFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig, stored):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        amax_history,
+        scale,
+        backward_amax,
+        backward_scale,
+        record,
+        config: GemmConfig,
+        stored,
+    ):
         fmt, margin = config.forward_format, config.margin
         if config.forward_in_fp8:
             x_fp8, x_scales, x_amax = cast_tiles(x, fmt, margin)
@@ -229,7 +251,9 @@ class _BlockFp8Linear(torch.autograd.Function):
             record_amax(amax_history, scale, INPUT, x_amax, fmt, margin)
             if stored is None:  # a stored weight's scales were taken when it was stored
                 record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
-        ctx.amax_history, ctx.scale, ctx.record, ctx.config = amax_history, scale, record, config
+        # the backward records into the layer's backward record, never into its state
+        ctx.backward_amax, ctx.backward_scale = backward_amax, backward_scale
+        ctx.record, ctx.config = record, config
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return out
 
@@ -264,8 +288,8 @@ class _BlockFp8Linear(torch.autograd.Function):
             grad_bias = dy.sum(dim=0)
         if ctx.record:
             dy_amax = _amax(dy) if dy_amax is None else dy_amax
-            record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, dy_amax, fmt, margin)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None
+            record_amax(ctx.backward_amax, ctx.backward_scale, GRAD_OUTPUT, dy_amax, fmt, margin)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from hf_fp8.formats import (
 )
 from hf_fp8.numerics.cpu_gemm import cpu_fp8_mm
 from hf_fp8.numerics.cuda_copies import transposed_copy
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord
 
 __all__ = ["GemmConfig", "choose_scale", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
 
@@ -61,6 +61,7 @@ def fp8_linear(
     bias: torch.Tensor | None,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
+    backward_record: BackwardRecord,
     weight_fp8: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
     record: bool,
@@ -70,8 +71,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with all three GEMMs in FP8.
 
-    ``amax_history`` / ``scale`` are the layer's scaling state (see :mod:`hf_fp8.numerics.scaling`);
-    ``record`` says whether this call is part of a training step (amaxes and scales are then written).
+    ``amax_history`` / ``scale`` are the layer's scaling state (see :mod:`hf_fp8.numerics.scaling`), which
+    the forward reads and writes; the backward writes into ``backward_record`` instead. ``record`` says
+    whether this call is part of a training step (amaxes and scales are then written).
     ``weight_fp8`` and ``weight_scale`` are given when the weight is already in FP8 (stored frozen, or
     all-gathered so by FSDP2): its values and scale, used as they are; ``weight`` then only receives
     the gradient. ``cast_counts``, when given, counts what every cast of a recorded call does (see
@@ -87,6 +89,9 @@ def fp8_linear(
         bias,
         amax_history,
         scale,
+        backward_record.amax,
+        backward_record.scale,
+        backward_record.cast_counts,
         weight_fp8,
         weight_scale,
         record,
@@ -106,6 +111,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         amax_history: torch.Tensor,
         scale: torch.Tensor,
+        backward_amax: torch.Tensor,
+        backward_scale: torch.Tensor,
+        backward_counts: torch.Tensor | None,
         weight_fp8: torch.Tensor | None,
         weight_scale: torch.Tensor | None,
         record: bool,
@@ -159,14 +167,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_x_grad:
             saved_weight = w_fp8 if weight_fp8 is not None else weight
             recast_scale = None if weight_fp8 is not None else w_scale
-        ctx.save_for_backward(x_t, saved_weight, x_inverse, w_inverse, recast_scale)
-        # The state buffers are updated in place by every call of the module (a module may run twice in
-        # one forward), so they ride on ctx rather than through save_for_backward's version checks.
-        ctx.amax_history = amax_history
-        ctx.scale = scale
+        # The gradient's stored scale, read here: the backward never reads the state, which a second
+        # forward before it may have changed (see hf_fp8.layers.fp8_scaled).
+        dy_stored_scale = None
+        if config.stored_scales[GRAD_OUTPUT]:
+            dy_stored_scale = scale[GRAD_OUTPUT].to(torch.float32, copy=True)
+        ctx.save_for_backward(x_t, saved_weight, x_inverse, w_inverse, recast_scale, dy_stored_scale)
+        # The backward record is updated in place by every backward of the module (a module may run
+        # twice in one forward), so it rides on ctx rather than through save_for_backward's checks.
+        ctx.backward_record = BackwardRecord(backward_amax, backward_scale, backward_counts)
         ctx.record = record
         ctx.config = config
-        ctx.cast_counts = cast_counts
         ctx.has_bias = bias is not None
         ctx.input_dtype = x.dtype
         ctx.weight_dtype = weight.dtype  # a gathered FP8 weight reports the dtype of its gradient
@@ -174,8 +185,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_t, saved_weight, x_inverse, w_inverse, recast_scale = ctx.saved_tensors
+        x_t, saved_weight, x_inverse, w_inverse, recast_scale, dy_stored_scale = ctx.saved_tensors
         config: GemmConfig = ctx.config
+        written: BackwardRecord = ctx.backward_record
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         # An output head's dy (its forward in high precision) is the logits' gradient, made row by row
@@ -185,12 +197,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy,
             GRAD_OUTPUT,
             fmt,
-            ctx.amax_history,
-            ctx.scale,
+            written.amax,
+            written.scale,
             config,
             ctx.record,
-            ctx.cast_counts,
+            written.cast_counts,
             by_rows=head,
+            stored_scale=dy_stored_scale,
         )
         dy_inverse = dy_scale.reciprocal()
 
@@ -199,10 +212,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
             if recast_scale is not None:
                 w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
-                if not config.forward_in_fp8 and ctx.record and ctx.cast_counts is not None:
+                if not config.forward_in_fp8 and ctx.record and written.cast_counts is not None:
                     # the weight's only cast of the step: count it as the forward's cast would be
                     stats = cast_statistics(saved_weight.detach(), recast_scale, w_fp8, config.forward_format)
-                    ctx.cast_counts[WEIGHT] += stats
+                    written.cast_counts[WEIGHT] += stats
                 w_column_major = w_fp8.t().contiguous().t()
             elif saved_weight.stride(0) == 1:  # Conv1D stores W.T: column-major W as it is
                 w_column_major = saved_weight
@@ -218,7 +231,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = fp8_mm(dy_t, x_t.t(), dy_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, *(None,) * 11
 
 
 @torch.library.custom_op("hf_fp8::column_major_copy", mutates_args=())
@@ -271,10 +284,13 @@ def quantize(
     cast_counts: torch.Tensor | None,
     record_amax: bool = True,
     by_rows: bool = False,
+    stored_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
     ``role`` (see :func:`choose_scale`); a recorded cast adds what it did to ``cast_counts[role]``."""
-    chosen = choose_scale(t, role, fmt, amax_history, scale, config, record, record_amax, by_rows)
+    chosen = choose_scale(
+        t, role, fmt, amax_history, scale, config, record, record_amax, by_rows, stored_scale
+    )
     t_fp8 = cast_to_fp8(t, chosen, fmt)
     if record and cast_counts is not None:
         cast_counts[role] += cast_statistics(t.detach(), chosen, t_fp8, fmt)
@@ -291,11 +307,13 @@ def choose_scale(
     record: bool,
     record_amax: bool = True,
     by_rows: bool = False,
+    stored_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scale ``t`` is cast with in this step, for the scaling state's row ``role``: the stored one
     (delayed scaling with a history), else from ``t``'s own amax. Records ``t``'s amax when ``record``
     (and ``record_amax``: a caller whose amax the step's end records says ``False``; a tensor without
-    a stored scale takes its own amax whatever it says).
+    a stored scale takes its own amax whatever it says). ``stored_scale``, when given, is the role's
+    stored scale as read before (a backward's, by its forward), in place of ``scale[role]``.
 
     ``by_rows`` takes the amax of each row first, then theirs (the same value), for a tensor that a row
     kernel makes (the logits' gradient, from the loss's backward): Inductor then computes it in that
@@ -306,8 +324,8 @@ def choose_scale(
     if (record and record_amax) or not stored:
         magnitude = t.detach().abs()
         amax = (magnitude.amax(dim=-1).amax() if by_rows else magnitude.amax()).float()
-    if stored:
-        chosen = scale[role].to(torch.float32, copy=True)  # not a view: the buffer changes in place
+    if stored:  # a copy, not a view: the buffer changes in place
+        chosen = scale[role].to(torch.float32, copy=True) if stored_scale is None else stored_scale
     else:
         chosen = compute_scale(amax, fmt, config.margin)
         if record:  # what a checkpoint or a log reads is what was applied

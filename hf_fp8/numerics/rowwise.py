@@ -24,7 +24,7 @@ import torch
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, record_amax
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax
 
 __all__ = ["rowwise_linear"]
 
@@ -35,13 +35,23 @@ def rowwise_linear(
     bias: torch.Tensor | None,
     amax_history: torch.Tensor,
     scale: torch.Tensor,
+    backward_record: BackwardRecord,
     record: bool,
     config: GemmConfig,
     weight_gradient_in_fp8: bool,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with row-wise scaled FP8 GEMMs (see the module docstring)."""
     out = _RowwiseFp8Linear.apply(
-        x.reshape(-1, x.shape[-1]), weight, bias, amax_history, scale, record, config, weight_gradient_in_fp8
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        bias,
+        amax_history,
+        scale,
+        backward_record.amax,
+        backward_record.scale,
+        record,
+        config,
+        weight_gradient_in_fp8,
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -58,7 +68,19 @@ def cast_rows(
 
 class _RowwiseFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, amax_history, scale, record, config: GemmConfig, gw_in_fp8: bool):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        amax_history,
+        scale,
+        backward_amax,
+        backward_scale,
+        record,
+        config: GemmConfig,
+        gw_in_fp8: bool,
+    ):
         fmt = config.forward_format
         x_fp8, x_scales, x_amax = cast_rows(x, fmt, config.margin)  # (tokens, 1)
         w_fp8, w_scales, w_amax = cast_rows(weight, fmt, config.margin)  # (out, 1)
@@ -69,13 +91,9 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             record_amax(amax_history, scale, INPUT, x_amax, fmt, config.margin)
             record_amax(amax_history, scale, WEIGHT, w_amax, fmt, config.margin)
         ctx.save_for_backward(x, weight)
-        ctx.amax_history, ctx.scale, ctx.record, ctx.config, ctx.gw_in_fp8 = (
-            amax_history,
-            scale,
-            record,
-            config,
-            gw_in_fp8,
-        )
+        # the backward records into the layer's backward record, never into its state
+        ctx.backward_amax, ctx.backward_scale = backward_amax, backward_scale
+        ctx.record, ctx.config, ctx.gw_in_fp8 = record, config, gw_in_fp8
         ctx.has_bias = bias is not None
         return out
 
@@ -110,8 +128,8 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
-            record_amax(ctx.amax_history, ctx.scale, GRAD_OUTPUT, dy_amax, fmt, margin)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None
+            record_amax(ctx.backward_amax, ctx.backward_scale, GRAD_OUTPUT, dy_amax, fmt, margin)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:

@@ -15,16 +15,29 @@ data-dependent branch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from hf_fp8.formats import compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "advance_steps", "record_amax"]
+__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "BackwardRecord", "advance_steps", "record_amax"]
 
 # Rows of a layer's ``amax_history`` and entries of its ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 ROLES = ("input", "weight", "grad_output")
+
+
+class BackwardRecord(NamedTuple):
+    """Where a layer's backward records, instead of its scaling state (see
+    :mod:`hf_fp8.layers.fp8_scaled`): ``amax`` (roles, 1), the newest slot of a one-slot history;
+    ``scale`` (roles,), a scale applied where the role has none stored (0: none); ``cast_counts``, as
+    the forward's, when counting."""
+
+    amax: torch.Tensor
+    scale: torch.Tensor
+    cast_counts: torch.Tensor | None
 
 
 def record_amax(

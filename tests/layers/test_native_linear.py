@@ -9,6 +9,7 @@ from conftest import ScaledMmCalls, make_layer, matmul_error_bound, quantization
 from torch import nn
 
 from hf_fp8 import E4M3, E5M2, Fp8Linear, Fp8Recipe, cast_to_representable, fp8_autocast, update_fp8_scales
+from hf_fp8.layers.fp8_scaled import fold_backward_records
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
 
@@ -30,7 +31,9 @@ def test_is_an_nn_linear_with_the_same_parameters_and_keys():
 def test_state_buffers_are_not_persistent():
     _, fp8 = make_layer(amax_history_len=8)
     assert fp8.amax_history.shape == (3, 8) and fp8.scale.shape == (3,)
-    assert {name for name, _ in fp8.named_buffers()} == {"amax_history", "scale", "fp8_steps"}
+    assert fp8.backward_amax.shape == (3, 1) and fp8.backward_scale.shape == (3,)
+    state = {"amax_history", "scale", "fp8_steps", "backward_amax", "backward_scale"}
+    assert {name for name, _ in fp8.named_buffers()} == state
     assert not any("amax" in key or "scale" in key for key in fp8.state_dict())
 
 
@@ -96,6 +99,7 @@ def test_within_format_error_bound_of_the_bf16_layer():
     y_ref.backward(dy)
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
 
+    fold_backward_records([layer])  # the step's end: the gradient's scale joins the layer's state
     xs, ws, gs = layer.scale.tolist()
     w = linear.weight.detach()
     bf16 = 2.0**-8
@@ -208,6 +212,7 @@ def test_a_forward_in_high_precision_under_block_scaling_gives_the_block_layers_
     assert torch.equal(y, F.linear(x, head.weight, head.bias))
     full(x_full).backward(dy)
     assert torch.equal(x_head.grad, x_full.grad) and torch.equal(head.weight.grad, full.weight.grad)
+    fold_backward_records([head])  # the step's end
     assert head.amax_history[2, 0] == dy.abs().max(), "the gradient's amax is recorded"
 
 
@@ -225,8 +230,11 @@ def test_a_forward_in_high_precision_counts_the_weights_one_cast():
     _, head = make_pair()
     head.count_casts(True)
     head(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    assert head.backward_cast_counts[:, 0].tolist() == [0, 48 * 64, 16 * 48], "the backward's two casts"
+    fold_backward_records([head])  # the step's end adds them in
     values = head.cast_counts[:, 0].tolist()
     assert values == [16 * 64, 48 * 64, 16 * 48], "input, weight, grad_output: one cast each"
+    assert not head.backward_cast_counts.any()
     head.to(torch.device("meta"))
     assert head.cast_counts.is_meta, "the counts move with the layer"
 
@@ -238,6 +246,7 @@ def test_a_frozen_layer_with_its_forward_in_high_precision_casts_no_input():
     with ScaledMmCalls() as mm:
         head(x).sum().backward()
     assert len(mm.calls) == 1, "dgrad only: no forward GEMM in FP8, no weight gradient"
+    fold_backward_records([head])  # the step's end
     assert head.amax_history[INPUT].eq(0).all() and head.amax_history[GRAD, 0] > 0
 
 
