@@ -26,6 +26,7 @@ from hf_fp8.layers.fp8_scaled import (
     BACKWARD_BUFFERS,
     STATE_BUFFERS,
     Fp8Scaled,
+    clear_backward_records,
     fold_backward_records,
     fold_replica_records,
     refresh_stored_scales,
@@ -209,6 +210,7 @@ class NativeBackend(Fp8Backend):
         layers = [m for m in model.modules() if isinstance(m, Fp8Scaled)]
         for layer in layers:
             layer.take_replica_records()  # what replicas recorded belongs to the state replaced
+        clear_backward_records(layers)  # and so does what backwards recorded
         refresh_stored_scales(layers, restored=True)
         self.watch.clear()  # what the restored state replaced is no longer news
 

@@ -226,10 +226,11 @@ def _fp8_experts_forward(
         stored = isinstance(weight, Fp8StoredWeight)
         data, weight_scale = (weight._data, weight._scale) if stored else (weight, None)
         with torch.autocast(x.device.type, enabled=False):
-            written = module.backward_record()
+            backward_record = module.backward_record()
             out = _GroupedFp8Linear.apply(
                 x, data, weight_scale, layout, module.is_transposed, module.amax_history, module.scale,
-                written.amax, written.scale, roles, record, config, module.cast_counts, written.cast_counts,
+                backward_record.amax, backward_record.scale, roles, record, config, module.cast_counts,
+                backward_record.cast_counts,
             )  # fmt: skip
         bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
         return out + bias[row_expert].to(out.dtype) if bias is not None else out
@@ -306,10 +307,11 @@ class _GroupedFp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8, w_fp8, x_inverse, w_inverse, dy_stored_scale = ctx.saved_tensors
-        role, written = ctx.grad_role, ctx.backward_record
+        role, backward_record = ctx.grad_role, ctx.backward_record
         fmt = ctx.config.backward_format
         dy_scale, dy_fp8 = quantize(
-            grad_output, role, fmt, written.amax, written.scale, ctx.config, ctx.record, written.cast_counts,
+            grad_output, role, fmt, backward_record.amax, backward_record.scale, ctx.config, ctx.record,
+            backward_record.cast_counts,
             stored_scale=dy_stored_scale,
         )  # fmt: skip
         dy_inverse = dy_scale.reciprocal()

@@ -31,6 +31,7 @@ __all__ = [
     "BACKWARD_BUFFERS",
     "STATE_BUFFERS",
     "Fp8Scaled",
+    "clear_backward_records",
     "fold_backward_records",
     "fold_replica_records",
     "refresh_stored_scales",
@@ -42,6 +43,11 @@ STATE_BUFFERS = ("amax_history", "scale", "fp8_steps")
 BACKWARD_BUFFERS = ("backward_amax", "backward_scale")
 
 
+# Steps at whose end a module reads back which of its roles have a stored scale (after that, a role
+# first seen later keeps scaling by its own amax: correct, if slower).
+_SCALE_CHECKS = 1
+
+
 class ReplicaRecord(NamedTuple):
     """What one of nn.DataParallel's replicas of a module recorded in a step (see record_replica)."""
 
@@ -49,11 +55,6 @@ class ReplicaRecord(NamedTuple):
     backward_amax: torch.Tensor
     cast_counts: torch.Tensor | None
     backward_cast_counts: torch.Tensor | None
-
-
-# Steps at whose end a module reads back which of its roles have a stored scale (after that, a role
-# first seen later keeps scaling by its own amax: correct, if slower).
-_SCALE_CHECKS = 1
 
 
 class Fp8Scaled(nn.Module):
@@ -104,9 +105,9 @@ class Fp8Scaled(nn.Module):
                 if tensor.is_meta and not moved.is_meta:
                     moved = torch.zeros_like(moved)
                 self._buffers[name] = moved
-            for counts in ("cast_counts", "backward_cast_counts"):  # the counts go where the casts happen
-                if getattr(self, counts, None) is not None:
-                    setattr(self, counts, getattr(self, counts).to(self.scale.device))
+            for name in ("cast_counts", "backward_cast_counts"):  # the counts go where the casts happen
+                if getattr(self, name, None) is not None:
+                    setattr(self, name, getattr(self, name).to(self.scale.device))
         return self
 
     def scaling_state(self, name: str) -> LayerScaling:
@@ -281,3 +282,13 @@ def fold_replica_records(layers: list[Fp8Scaled]) -> None:
             torch._foreach_maximum_(amax_slots, amaxes)
         if count_slots:
             torch._foreach_add_(count_slots, counts)
+
+
+@torch.no_grad()
+def clear_backward_records(modules: list[Fp8Scaled]) -> None:
+    """Zero the modules' backward records: a state restored (a checkpoint loaded, a step rolled back)
+    takes nothing from a step it replaced."""
+    records = [t for m in modules for t in (m.backward_amax, m.backward_scale, m.backward_cast_counts)]
+    records = [t for t in records if t is not None]
+    if records:
+        torch._foreach_zero_(records)

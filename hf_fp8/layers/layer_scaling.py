@@ -20,7 +20,8 @@ class CountsCasts(Protocol):
 
     While counting, each cast of a training step adds ``[values, saturated, flushed]`` to its role's row
     of ``cast_counts`` (int64, one row per role, in the order of the layer's roles), in place and with
-    tensor ops only: a compiled step counts inside its graph."""
+    tensor ops only: a compiled step counts inside its graph. A backward's casts are counted in the
+    layer's backward record and added in at the step's end (see :mod:`hf_fp8.layers.fp8_scaled`)."""
 
     cast_counts: torch.Tensor | None
 

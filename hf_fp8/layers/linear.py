@@ -178,14 +178,14 @@ class Fp8Module(Fp8Scaled):
                 if stored:  # its values and block scales as they are (transposed with the weight)
                     data, scales = self.weight._data, self.weight._scale
                     stored_blocks = (data.t().contiguous(), scales.t()) if transposed else (data, scales)
-                state = (self.amax_history, self.scale, self.backward_record())
-                return block_linear(x, weight, bias, *state, record, config, stored_blocks)
+                scaling = (self.amax_history, self.scale, self.backward_record())
+                return block_linear(x, weight, bias, *scaling, record, config, stored_blocks)
             if scaling in ("rowwise", "rowwise_gw_hp"):  # cast from the weight's own values
                 plain = self.dequantized_weight()
                 plain = plain.t() if transposed else plain
                 gw_in_fp8 = scaling == "rowwise"
-                state = (self.amax_history, self.scale, self.backward_record())
-                return rowwise_linear(x, plain, bias, *state, record, config, gw_in_fp8)
+                scaling = (self.amax_history, self.scale, self.backward_record())
+                return rowwise_linear(x, plain, bias, *scaling, record, config, gw_in_fp8)
             # the source's scale where it lives on x's device (not for nn.DataParallel's other replicas)
             source = self.input_scale_source
             shared = (

@@ -252,7 +252,7 @@ class _BlockFp8Linear(torch.autograd.Function):
             if stored is None:  # a stored weight's scales were taken when it was stored
                 record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
         # the backward records into the layer's backward record, never into its state
-        ctx.backward_amax, ctx.backward_scale = backward_amax, backward_scale
+        ctx.backward_record = BackwardRecord(backward_amax, backward_scale, None)
         ctx.record, ctx.config = record, config
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return out
@@ -288,7 +288,9 @@ class _BlockFp8Linear(torch.autograd.Function):
             grad_bias = dy.sum(dim=0)
         if ctx.record:
             dy_amax = _amax(dy) if dy_amax is None else dy_amax
-            record_amax(ctx.backward_amax, ctx.backward_scale, GRAD_OUTPUT, dy_amax, fmt, margin)
+            record_amax(
+                ctx.backward_record.amax, ctx.backward_record.scale, GRAD_OUTPUT, dy_amax, fmt, margin
+            )
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 

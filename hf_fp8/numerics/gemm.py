@@ -174,7 +174,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy_stored_scale = scale[GRAD_OUTPUT].to(torch.float32, copy=True)
         ctx.save_for_backward(x_t, saved_weight, x_inverse, w_inverse, recast_scale, dy_stored_scale)
         # The backward record is updated in place by every backward of the module (a module may run
-        # twice in one forward), so it rides on ctx rather than through save_for_backward's checks.
+        # twice in one forward), so it rides on ctx rather than through save_for_backward's checks (in
+        # compiled graphs too, from torch 2.11). Its tensors reach apply() one by one: Dynamo traces
+        # an autograd Function's tensor arguments, not tensors inside a tuple.
         ctx.backward_record = BackwardRecord(backward_amax, backward_scale, backward_counts)
         ctx.record = record
         ctx.config = config
@@ -187,7 +189,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x_t, saved_weight, x_inverse, w_inverse, recast_scale, dy_stored_scale = ctx.saved_tensors
         config: GemmConfig = ctx.config
-        written: BackwardRecord = ctx.backward_record
+        backward_record: BackwardRecord = ctx.backward_record
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         # An output head's dy (its forward in high precision) is the logits' gradient, made row by row
@@ -197,11 +199,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy,
             GRAD_OUTPUT,
             fmt,
-            written.amax,
-            written.scale,
+            backward_record.amax,
+            backward_record.scale,
             config,
             ctx.record,
-            written.cast_counts,
+            backward_record.cast_counts,
             by_rows=head,
             stored_scale=dy_stored_scale,
         )
@@ -212,10 +214,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
             if recast_scale is not None:
                 w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
-                if not config.forward_in_fp8 and ctx.record and written.cast_counts is not None:
+                if not config.forward_in_fp8 and ctx.record and backward_record.cast_counts is not None:
                     # the weight's only cast of the step: count it as the forward's cast would be
                     stats = cast_statistics(saved_weight.detach(), recast_scale, w_fp8, config.forward_format)
-                    written.cast_counts[WEIGHT] += stats
+                    backward_record.cast_counts[WEIGHT] += stats
                 w_column_major = w_fp8.t().contiguous().t()
             elif saved_weight.stride(0) == 1:  # Conv1D stores W.T: column-major W as it is
                 w_column_major = saved_weight
@@ -287,7 +289,8 @@ def quantize(
     stored_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s scale for this step and ``t`` cast to ``fmt`` with it, for the scaling state's row
-    ``role`` (see :func:`choose_scale`); a recorded cast adds what it did to ``cast_counts[role]``."""
+    ``role`` (see :func:`choose_scale`, also for ``stored_scale``); a recorded cast adds what it did to
+    ``cast_counts[role]``."""
     chosen = choose_scale(
         t, role, fmt, amax_history, scale, config, record, record_amax, by_rows, stored_scale
     )

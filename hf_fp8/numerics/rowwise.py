@@ -92,7 +92,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             record_amax(amax_history, scale, WEIGHT, w_amax, fmt, config.margin)
         ctx.save_for_backward(x, weight)
         # the backward records into the layer's backward record, never into its state
-        ctx.backward_amax, ctx.backward_scale = backward_amax, backward_scale
+        ctx.backward_record = BackwardRecord(backward_amax, backward_scale, None)
         ctx.record, ctx.config, ctx.gw_in_fp8 = record, config, gw_in_fp8
         ctx.has_bias = bias is not None
         return out
@@ -128,7 +128,9 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
-            record_amax(ctx.backward_amax, ctx.backward_scale, GRAD_OUTPUT, dy_amax, fmt, margin)
+            record_amax(
+                ctx.backward_record.amax, ctx.backward_record.scale, GRAD_OUTPUT, dy_amax, fmt, margin
+            )
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 

@@ -100,3 +100,4 @@ def test_to_empty_starts_the_scaling_state_from_zero():
     model.to_empty(device="cpu")
     layer = model.get_submodule(LAYER)
     assert not layer.amax_history.any() and not layer.scale.any() and layer.fp8_steps.item() == 0
+    assert not layer.backward_amax.any() and not layer.backward_scale.any(), "the backward record too"
