@@ -41,7 +41,7 @@ from hf_fp8.numerics.grouped import (
     group_layout,
     grouped_kernels_run_on,
 )
-from hf_fp8.numerics.scaling import BackwardRecord
+from hf_fp8.numerics.scaling import BackwardRecord, read_stored_scale
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["Fp8Experts", "experts_problem", "experts_recipe", "is_experts"]
@@ -294,9 +294,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
         w_fp8 = w_fp8.transpose(-2, -1) if transposed else w_fp8  # (experts, out, in)
         out = expert_forward(x_fp8, w_fp8, x_inverse, w_inverse, layout, config.out_dtype)
         # the gradient's stored scale is read here: the backward never reads the state (see fp8_scaled)
-        dy_stored_scale = None
-        if config.stored_scales[grad_role]:
-            dy_stored_scale = scale[grad_role].to(torch.float32, copy=True)
+        dy_stored_scale = read_stored_scale(scale, grad_role, config.stored_scales[grad_role])
         ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, dy_stored_scale)
         ctx.layout, ctx.transposed, ctx.grad_role = layout, transposed, grad_role
         ctx.backward_record = BackwardRecord(backward_amax, backward_scale, backward_counts)

@@ -252,8 +252,7 @@ def fold_backward_records(modules: list[Fp8Scaled]) -> None:
     counting = [m for m in modules if m.backward_cast_counts is not None and m.cast_counts is not None]
     if counting:
         torch._foreach_add_([m.cast_counts for m in counting], [m.backward_cast_counts for m in counting])
-        torch._foreach_zero_([m.backward_cast_counts for m in counting])
-    torch._foreach_zero_([m.backward_amax for m in modules] + [m.backward_scale for m in modules])
+    clear_backward_records(modules)
 
 
 @torch.no_grad()

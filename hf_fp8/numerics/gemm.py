@@ -34,7 +34,7 @@ from hf_fp8.formats import (
 )
 from hf_fp8.numerics.cpu_gemm import cpu_fp8_mm
 from hf_fp8.numerics.cuda_copies import transposed_copy
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, read_stored_scale
 
 __all__ = ["GemmConfig", "choose_scale", "fp8_linear", "fp8_mm", "in_dtype", "pad_rows", "quantize"]
 
@@ -169,9 +169,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             recast_scale = None if weight_fp8 is not None else w_scale
         # The gradient's stored scale, read here: the backward never reads the state, which a second
         # forward before it may have changed (see hf_fp8.layers.fp8_scaled).
-        dy_stored_scale = None
-        if config.stored_scales[GRAD_OUTPUT]:
-            dy_stored_scale = scale[GRAD_OUTPUT].to(torch.float32, copy=True)
+        dy_stored_scale = read_stored_scale(scale, GRAD_OUTPUT, config.stored_scales[GRAD_OUTPUT])
         ctx.save_for_backward(x_t, saved_weight, x_inverse, w_inverse, recast_scale, dy_stored_scale)
         # The backward record is updated in place by every backward of the module (a module may run
         # twice in one forward), so it rides on ctx rather than through save_for_backward's checks (in
@@ -327,8 +325,8 @@ def choose_scale(
     if (record and record_amax) or not stored:
         magnitude = t.detach().abs()
         amax = (magnitude.amax(dim=-1).amax() if by_rows else magnitude.amax()).float()
-    if stored:  # a copy, not a view: the buffer changes in place
-        chosen = scale[role].to(torch.float32, copy=True) if stored_scale is None else stored_scale
+    if stored:
+        chosen = read_stored_scale(scale, role, stored) if stored_scale is None else stored_scale
     else:
         chosen = compute_scale(amax, fmt, config.margin)
         if record:  # what a checkpoint or a log reads is what was applied

@@ -22,7 +22,16 @@ import torch
 from hf_fp8.formats import compute_scale
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["GRAD_OUTPUT", "INPUT", "ROLES", "WEIGHT", "BackwardRecord", "advance_steps", "record_amax"]
+__all__ = [
+    "GRAD_OUTPUT",
+    "INPUT",
+    "ROLES",
+    "WEIGHT",
+    "BackwardRecord",
+    "advance_steps",
+    "read_stored_scale",
+    "record_amax",
+]
 
 # Rows of a layer's ``amax_history`` and entries of its ``scale``.
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -38,6 +47,12 @@ class BackwardRecord(NamedTuple):
     amax: torch.Tensor
     scale: torch.Tensor
     cast_counts: torch.Tensor | None
+
+
+def read_stored_scale(scale: torch.Tensor, role: int, stored: bool) -> torch.Tensor | None:
+    """Role ``role``'s stored scale as a float32 copy (not a view: the buffer changes in place), or
+    ``None`` where the role has none stored (it casts with its own amax)."""
+    return scale[role].to(torch.float32, copy=True) if stored else None
 
 
 def record_amax(
