@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["fp8_active", "fp8_autocast"]
+__all__ = ["fp8_active", "fp8_autocast", "fp8_forced"]
 
 _override: bool | None = None
 
@@ -38,3 +38,9 @@ def fp8_active(training: bool, use_during_eval: bool) -> bool:
     if _override is not None:
         return _override
     return training or use_during_eval
+
+
+def fp8_forced() -> bool:
+    """Whether an ``fp8_autocast(enabled=True)`` block is on: FP8 then runs wherever it can, also where
+    the plain layer would be faster (a decode step's few rows)."""
+    return _override is True

@@ -64,7 +64,6 @@ class Fp8Recipe:
             scaling): each rank casts its shard with the weight's scale before the all-gather (half the
             bytes of BF16) and the GEMMs use the gathered FP8 weight; a forward outside FP8 (evaluation)
             then reads the FP8-rounded weight. Without FSDP2 it changes nothing.
-        pad_to_multiple: pad the token dimension to a multiple of this (FP8 GEMMs need 16).
         modules_to_not_convert: module name patterns left in high precision (``fnmatch`` syntax; a
             pattern also matches as a suffix of the dotted name, so ``"lm_head"`` or ``"mlp.gate"``).
         convert_lm_head: also convert the output head and layers whose weight is tied to the input
@@ -94,7 +93,6 @@ class Fp8Recipe:
     interval: int = 1
     fp8_weights: bool = False
     fp8_all_gather: bool = False
-    pad_to_multiple: int = 16
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool | str = False
     convert_experts: bool = False
@@ -307,6 +305,9 @@ RECIPES: dict[str, Fp8Recipe] = {
     "head-backward": Fp8Recipe(convert_lm_head="backward"),
     # LoRA: frozen base weights stored in FP8 (MoE experts' too), adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True, convert_experts=True),
+    # A frozen model that only runs forwards (DPO's reference model): weights stored in FP8, FP8 in eval
+    # mode too, so its passes read one byte a weight and never cast a weight again.
+    "reference-fp8": Fp8Recipe(fp8_weights=True, use_during_eval=True),
     # Full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend).
     "fsdp-fp8": Fp8Recipe(fp8_all_gather=True),
     # A scale per row of each GEMM operand, from its own amax (torchao's row-wise recipes).

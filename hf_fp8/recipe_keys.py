@@ -6,10 +6,9 @@ the fields. :class:`hf_fp8.recipe.Fp8Recipe` validates every value through here,
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
-
-from hf_fp8.formats import FP8_ALIGNMENT
 
 __all__ = [
     "ENV_VARS",
@@ -40,8 +39,6 @@ MAX_AMAX_HISTORY_LEN = 65536
 _HISTORY_WHY = "a longer history costs 12 bytes per entry and FP8 layer and adapts no better"
 MAX_INTERVAL = 100_000
 _INTERVAL_WHY = "scales that are never recomputed stop following the tensors; use a smaller interval"
-MAX_PAD = 1024
-_PAD_WHY = "FP8 GEMMs need 16; padding further only adds masked tokens"
 
 
 def e4m3_only(scaling: Scaling) -> bool:
@@ -92,16 +89,6 @@ def _validate_head(name: str, value: Any) -> bool | str:
     )
 
 
-def _validate_pad(name: str, value: Any) -> int:
-    value = _expect_int(name, value, 1, MAX_PAD, _PAD_WHY)
-    if value % FP8_ALIGNMENT:
-        raise ValueError(
-            f"recipe key {name!r} must be a multiple of 16 (FP8 GEMMs need dimensions divisible by 16), "
-            f"got {value}"
-        )
-    return value
-
-
 def _validate_patterns(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
@@ -126,7 +113,6 @@ _VALIDATORS = {
     "fp8_weights": _expect_bool,
     "convert_experts": _expect_bool,
     "fp8_all_gather": _expect_bool,
-    "pad_to_multiple": _validate_pad,
     "modules_to_not_convert": _validate_patterns,
     "convert_lm_head": _validate_head,
     "use_during_eval": _expect_bool,
@@ -147,10 +133,21 @@ _ALIASES = {
 }
 
 
+# Keys that set nothing any more, with what took their place; recipes and checkpoints that have them
+# still load.
+_RETIRED = {
+    "pad_to_multiple": "each FP8 layer pads the rows of its own GEMMs to 16, and the model's inputs are "
+    "never padded (packed rows and per-token outputs stay as they are)",
+}
+
+
 def translate_key(key: Any, value: Any) -> list[tuple[str, Any]]:
     """Map one input key to the (field, value) pairs it sets."""
     if key in _VALIDATORS:
         return [(key, value)]
+    if key in _RETIRED:
+        warnings.warn(f"hf_fp8: recipe key {key!r} is ignored: {_RETIRED[key]}", FutureWarning, stacklevel=4)
+        return []
     if key in _ALIASES:
         return [(_ALIASES[key], value)]
     if key == "fp8":  # NeMo: a bool that turns FP8 on, or (some configs) the format name

@@ -18,7 +18,7 @@ def test_defaults_are_transformer_engine_delayed_scaling():
         1,
     )
     assert r.enabled and not r.fp8_weights and not r.use_during_eval
-    assert r.pad_to_multiple == 16 and r.modules_to_not_convert == () and not r.convert_lm_head
+    assert r.modules_to_not_convert == () and not r.convert_lm_head
 
 
 @pytest.mark.parametrize(
@@ -54,8 +54,6 @@ def test_recipe_is_frozen_and_replace_validates():
         ("interval", 10, 0, "integer from 1 to 100000"),
         ("fp8_weights", True, 1, "true or false"),
         ("fp8_all_gather", True, "on", "true or false"),
-        ("pad_to_multiple", 64, 8, "multiple of 16"),
-        ("pad_to_multiple", 32, "16", "integer from 1 to 1024"),
         ("modules_to_not_convert", ["lm_head", "*.gate"], [3], "list of module name patterns"),
         ("convert_lm_head", True, "no", r"true \(the head's three GEMMs in FP8\), false \(none\) or 'ba"),
         ("convert_lm_head", "Backward", 1, "or 'backward'"),
@@ -83,6 +81,13 @@ def test_unknown_key_names_key_and_suggests_closest():
 def test_non_mapping_is_refused():
     with pytest.raises(ValueError, match="mapping"):
         Fp8Recipe.from_dict(["format", "hybrid"])
+
+
+def test_a_retired_key_loads_with_a_warning_that_says_what_replaced_it():
+    """Recipes and checkpoints written before the model's inputs stopped being padded still load."""
+    with pytest.warns(FutureWarning, match=r"'pad_to_multiple' is ignored: each FP8 layer pads"):
+        recipe = Fp8Recipe.from_dict({"pad_to_multiple": 16, "margin": 1})
+    assert recipe == Fp8Recipe(margin=1)
 
 
 def test_nemo_keys():
@@ -227,6 +232,7 @@ def test_named_recipes_match_shipped_yaml_files():
             "block",
             "block-head",
             "lora-fp8-block",
+            "reference-fp8",
         }
     )
     for name, path in files.items():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from hf_fp8.autocast import fp8_forced
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.layers.fsdp import gathered_shard, plain_weight, release_weight
@@ -31,7 +32,15 @@ from hf_fp8.numerics.rowwise import rowwise_linear
 from hf_fp8.numerics.scaling import INPUT, ROLES, WEIGHT
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["Fp8Conv1D", "Fp8Linear", "Fp8Module"]
+__all__ = ["PLAIN_BELOW_ROWS", "Fp8Conv1D", "Fp8Linear", "Fp8Module"]
+
+# A forward without gradient in training mode (generation inside RL trainers, a reference pass) over
+# fewer rows than this runs the plain layer when the weight is kept in high precision. A decode step's
+# GEMM has a handful of rows and is bound by reading the weight: the plain layer reads it once (2 bytes a
+# value in BF16), FP8 would cast it first (2 bytes read, 1 written) and then read the cast (1). Where
+# FP8 was asked for explicitly (``use_during_eval`` in eval mode, ``fp8_autocast(enabled=True)``) it
+# runs; weights stored (or gathered) in FP8 run in FP8 at any row count, the cheaper read for them.
+PLAIN_BELOW_ROWS = 256
 
 
 class Fp8Module(Fp8Scaled):
@@ -148,6 +157,18 @@ class Fp8Module(Fp8Scaled):
         if self.weight_in_fp8:  # checkpoints keep HF's dtype; dequantized on the host, one layer at a time
             destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
 
+    def plain_is_faster(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs the plain layer because it is faster there: training mode without
+        gradient, fewer rows than :data:`PLAIN_BELOW_ROWS`, a weight in high precision, and FP8 not
+        forced by :func:`hf_fp8.fp8_autocast` (see there)."""
+        if not self.training or torch.is_grad_enabled() or self.weight_in_fp8:
+            return False
+        if isinstance(self.weight, Fp8GatheredWeight):
+            return False
+        if fp8_forced():
+            return False
+        return x.numel() // x.shape[-1] < PLAIN_BELOW_ROWS
+
     def _fp8_forward(self, x: torch.Tensor, transposed: bool, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
         stored, gathered = self.weight_in_fp8, isinstance(self.weight, Fp8GatheredWeight)
@@ -251,7 +272,7 @@ class Fp8Linear(Fp8Module, nn.Linear):
             return nn.Linear(self.in_features, self.out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled or _nothing_to_quantize(x):
+        if not self.fp8_enabled or _nothing_to_quantize(x) or self.plain_is_faster(x):
             return F.linear(x, self.dequantized_weight(), self.bias)
         return self._fp8_forward(x, False, self.bias)
 
@@ -283,7 +304,7 @@ class Fp8Conv1D(Fp8Module, Conv1D):
             return Conv1D(self.nf, self.nx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled or _nothing_to_quantize(x):
+        if not self.fp8_enabled or _nothing_to_quantize(x) or self.plain_is_faster(x):
             out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.dequantized_weight())
             return out.reshape(*x.shape[:-1], self.nf)
         return self._fp8_forward(x, True, self.bias)

@@ -1,13 +1,12 @@
-"""Padding the token dimension to a multiple of 16, and slicing outputs back.
+"""Padding batches to a multiple of 16 tokens in the data pipeline: optional, and only a saving.
 
 FP8 GEMMs need the dimension they contract over to be a multiple of 16; for the weight gradient that
-is the number of tokens. Padding each sequence on the right with masked tokens keeps every real
-position's result unchanged: pad tokens are masked out of attention, never attended by real tokens
-in causal models, and their labels are ``-100``, so the loss is the loss of the unpadded batch.
-
-Padding happens either once in the data pipeline (:class:`Fp8PaddingCollator`) or on the fly in the
-patched model's forward (see ``patch_model``), which also slices the outputs back to the caller's
-length. A batch that is already padded is left alone.
+is the number of tokens. Each FP8 layer pads the rows of its own GEMM operands with zeros, so a patched
+model takes batches of any length and never changes them. A batch whose tokens are already a multiple
+of 16 saves those per-layer copies: :class:`Fp8PaddingCollator` pads each sequence on the right with
+masked tokens, which keeps every real position's result unchanged (pad tokens are masked out of
+attention, never attended by real tokens in causal models, and their labels are ``-100``). A batch that
+is already padded is left alone.
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ class PaddedLengths:
     """Original and padded token length of each stream of a batch."""
 
     lengths: dict[str, tuple[int, int]]
-
-    @property
-    def changed(self) -> bool:
-        return any(orig != padded for orig, padded in self.lengths.values())
 
 
 def pad_batch(
@@ -102,57 +97,11 @@ def _pad_tensor(t: torch.Tensor, extra: int, fill: str, pad_token_id: int) -> to
     return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
 
 
-def unpad_outputs(outputs: Any, padded: PaddedLengths) -> Any:
-    """Slice a model's per-token outputs back to the lengths the caller passed in.
-
-    Works on HF ``ModelOutput`` objects (by field name) and on plain tuples. Per-token tensors are
-    those with the token dimension at position 1 and at least 3 dims (logits, hidden states), QA
-    start/end logits, and attention maps (token dims 2 and 3).
-    """
-    if not padded.changed:
-        return outputs
-    lengths = padded.lengths
-    main = lengths.get("main")
-    decoder = lengths.get("decoder", main)
-    if isinstance(outputs, Mapping):
-        for key in list(outputs.keys()):
-            stream = main if key.startswith("encoder_") or "decoder" not in lengths else decoder
-            outputs[key] = _unpad_field(key, outputs[key], stream, main)
-        return outputs
-    if isinstance(outputs, tuple):
-        return tuple(_unpad_field("", v, decoder, main) for v in outputs)
-    return outputs
-
-
-def _unpad_field(
-    name: str, value: Any, stream: tuple[int, int] | None, source: tuple[int, int] | None
-) -> Any:
-    if stream is None:
-        return value
-    if isinstance(value, tuple) and all(torch.is_tensor(v) for v in value):
-        return tuple(_unpad_field(name, v, stream, source) for v in value)
-    if not torch.is_tensor(value):
-        return value
-    length, padded = stream
-    if name.endswith("attentions") and value.dim() == 4:
-        # (batch, heads, query tokens, key tokens); cross-attention keys come from the encoder.
-        keys = source if name == "cross_attentions" else stream
-        if value.shape[2] == padded:
-            value = value[:, :, :length]
-        if keys is not None and value.shape[3] == keys[1]:
-            value = value[:, :, :, : keys[0]]
-        return value
-    per_token = value.dim() >= 3 or name.endswith(("start_logits", "end_logits"))
-    if per_token and value.dim() >= 2 and value.shape[1] == padded:
-        return value[:, :length]
-    return value
-
-
 class Fp8PaddingCollator:
     """Wraps a data collator so every batch comes out padded to a multiple of 16 tokens.
 
-    Padding once here is cheaper than padding in the model's forward, and the model then sees
-    aligned batches. ``collator`` defaults to ``transformers.default_data_collator``; pass the one you
+    Optional: padding once here saves each FP8 layer the copy that pads its GEMM operands.
+    ``collator`` defaults to ``transformers.default_data_collator``; pass the one you
     use (``DataCollatorForLanguageModeling``, ``DataCollatorForSeq2Seq``, ...).
     """
 

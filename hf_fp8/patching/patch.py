@@ -7,8 +7,9 @@ a whole block first when it knows how. Everything not converted is recorded in t
 fails, every replacement made so far is undone and the error names the module.
 
 A patched model carries its state (:mod:`hf_fp8.patching.patch_state`) and hooks on its top-level forward
-(:mod:`hf_fp8.patching.forward_hooks`): padding to 16, the backend's forward context, the end of each FP8 step
-(:mod:`hf_fp8.patching.step`). :func:`unpatch_model` removes them and gives back the original modules.
+(:mod:`hf_fp8.patching.forward_hooks`): the backend's forward context and the FP8 step, which also ends
+before any optimizer steps (:mod:`hf_fp8.patching.step`). :func:`unpatch_model` removes them and gives
+back the original modules.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
+from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
 from hf_fp8.patching.zero import gather_blocks_whole, zero_refusal, zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
@@ -113,6 +115,7 @@ def patch_model(
         raise
     set_state(model, state)
     state.handles += forward_hooks.install(model)
+    watch_optimizer_steps(state)
     if (gathered := gather_blocks_whole(model, stage)) is not None:
         report.notes.append(gathered)
     return report
@@ -136,6 +139,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         replace_modules(model, plain_module)
         return model
     state.backend.unpatch(model, state.handles)
+    unwatch_optimizer_steps(state)
     set_state(model, None)
     return model
 

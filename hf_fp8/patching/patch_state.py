@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_fp8.backends.base import Fp8Backend
-from hf_fp8.patching.padding import PaddedLengths
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
 
@@ -25,14 +24,13 @@ _ATTR = "_hf_fp8_state"
 
 @dataclass
 class ForwardCall:
-    """One forward in flight: its padding, whether FP8 runs, and the backend context it entered."""
+    """One forward in flight: whether FP8 runs, and the backend context it entered."""
 
-    padded: PaddedLengths
     fp8: bool
     context: contextlib.AbstractContextManager | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity (a weak set of live states holds them)
 class PatchState:
     recipe: Fp8Recipe
     backend: Fp8Backend
@@ -40,8 +38,10 @@ class PatchState:
     # Data-parallel group whose ranks share amaxes; None: the world group when distributed.
     amax_group: Any = None
     handles: list[RemovableHandle] = field(default_factory=list)
-    # A training forward ran in FP8 since the last step end.
+    # A training forward ran in FP8 since the last step end (see hf_fp8.patching.step).
     step_pending: bool = False
+    # That forward's outputs needed no gradient: the next training forward ends the step.
+    end_at_next_forward: bool = False
     # The forwards in flight, a stack per model object: nn.DataParallel runs its replicas' forwards (and
     # so this model's hooks) at once, in a thread each, and each replica is an object of its own.
     calls: dict[int, list[ForwardCall]] = field(default_factory=dict)

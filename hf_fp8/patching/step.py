@@ -1,22 +1,31 @@
 """The FP8 step of a patched model: when it ends, and what ending, discarding or re-recipeing it does.
 
-A step is a training forward whose outputs a backward went through. It ends when that backward has
-finished: the autograd engine then runs :func:`end_step` (the backend reduces the step's amaxes over the
-data-parallel ranks and updates the scales), before the optimizer step and before DDP's next buffer
-broadcast. Two forwards before one backward (DPO, contrastive losses) are one step; a forward whose
-outputs never see a backward (logging, a reference pass) is none. A step whose end could not be hooked
-(outputs that need no gradient) stays pending and ends at the next training forward, or when the
-Trainer callback calls :func:`end_pending_step`.
+A step starts with a training forward in FP8 (amaxes recorded) and ends, whichever comes first:
+
+* when a backward through the forward's outputs has finished (the autograd engine then runs
+  :func:`end_step`: the backend reduces the step's amaxes over the data-parallel ranks and updates the
+  scales). Two forwards before one backward (DPO, contrastive losses) are one step;
+* before any optimizer steps: PyTorch's global optimizer step pre-hook ends every pending step. This
+  is the end a caller who backpropagates through something else than the outputs reaches (TRL's
+  fused LM head backpropagates through per-token log-probs it computes from the hidden states), and
+  the one that makes each optimizer step one FP8 step whatever the loss is made of;
+* at the next training forward, when the outputs needed no gradient (nothing to hook);
+* when the Trainer callback or the NaN guard calls :func:`end_pending_step`.
+
+A forward whose outputs never see a backward and after which no optimizer steps (a reference pass in
+training mode) only adds its amaxes to the step that follows.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.numerics.amax_sync import default_amax_group
@@ -27,9 +36,11 @@ __all__ = [
     "discard_step",
     "end_pending_step",
     "end_step",
-    "end_step_after_backward",
     "scaling_snapshot",
     "set_recipe",
+    "start_step",
+    "unwatch_optimizer_steps",
+    "watch_optimizer_steps",
 ]
 
 
@@ -44,6 +55,7 @@ def end_step(state: PatchState) -> None:
         if state.step_pending:
             state.backend.end_step(state.amax_group or default_amax_group())
         state.step_pending = False
+        state.end_at_next_forward = False
 
 
 def end_pending_step(model: nn.Module) -> None:
@@ -53,19 +65,44 @@ def end_pending_step(model: nn.Module) -> None:
 
 
 @torch._dynamo.disable
-def end_step_after_backward(state: PatchState, outputs: Any) -> None:
-    """Have the step end when a backward through ``outputs`` has finished (or at the next training
-    forward, when no output needs a gradient)."""
+def start_step(state: PatchState, outputs: Any) -> None:
+    """A training forward in FP8 gave ``outputs``: its step is pending, and ends when a backward through
+    them has finished (or at the next training forward, when no output needs a gradient). Whatever
+    the caller backpropagates through, the optimizer step ends it (see :func:`watch_optimizer_steps`)."""
+    state.step_pending = True
     tensor = _first_tensor_needing_grad(outputs)
     if tensor is None:
-        state.step_pending = True
+        state.end_at_next_forward = True
         return
 
     def backward_reached(grad: torch.Tensor) -> None:
-        state.step_pending = True
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_step(state))
 
     tensor.register_hook(backward_reached)
+
+
+# The patch states of live patched models, for the optimizer step pre-hook.
+_watched: weakref.WeakSet[PatchState] = weakref.WeakSet()
+_optimizer_hook: list[Any] = []
+
+
+def watch_optimizer_steps(state: PatchState) -> None:
+    """End ``state``'s pending step before any optimizer steps (``torch.optim``'s global step pre-hook,
+    registered once for all patched models; a model that is unpatched or freed leaves the watch)."""
+    _watched.add(state)
+    if not _optimizer_hook:
+        _optimizer_hook.append(register_optimizer_step_pre_hook(_end_pending_steps))
+
+
+def unwatch_optimizer_steps(state: PatchState) -> None:
+    """``state``'s model is unpatched: its steps no longer end at optimizer steps."""
+    _watched.discard(state)
+
+
+def _end_pending_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for state in list(_watched):
+        if state.step_pending:
+            end_step(state)
 
 
 def scaling_snapshot(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,6 +118,7 @@ def discard_step(model: nn.Module, snapshot: list[tuple[torch.Tensor, torch.Tens
         live.copy_(saved)
     state = _state_of(model)
     state.step_pending = False
+    state.end_at_next_forward = False
     state.backend.state_restored(model)
 
 

@@ -326,3 +326,17 @@ def test_lora_with_fp8_base_weights_under_the_trainer_resumes_exactly(text_rows,
     assert {s: v for s, v in losses(again).items() if s > 4} == {
         s: v for s, v in losses(full).items() if s > 4
     }
+
+
+@pytest.mark.parametrize("compile", [None, False])
+def test_the_callback_stays_eager_on_the_cpu(compile, text_rows, tmp_path):
+    """Compiling buys no FP8 speed on the CPU and costs minutes: by default (and when told not to) the
+    callback leaves the model eager there, and its report says nothing was compiled."""
+    callback = Fp8TrainerCallback(compile=compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(
+            model=tm.build("llama"), args=arguments(tmp_path), train_dataset=text_rows, callbacks=[callback]
+        )
+    assert callback.report.converted and not any("compiled" in note for note in callback.report.notes)
+    assert all(block._compiled_call_impl is None for block in trainer.model.model.layers)

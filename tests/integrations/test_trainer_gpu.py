@@ -76,3 +76,23 @@ def test_gpu_te_nan_is_caught_in_its_step(text_rows, tmp_path):
     layer = "model.layers.1.self_attn.o_proj"  # a TE Linear (q/k/v and the MLP are fused blocks)
     with pytest.raises(FloatingPointError, match=r"step 3: .*the loss is non-finite\. The weights are not"):
         gpu_train(text_rows, tmp_path, "te", callbacks=[InjectNaN(layer, 3)], max_steps=5)
+
+
+@pytest.mark.gpu
+def test_gpu_callback_compiles_by_default_and_trains(text_rows, tmp_path):
+    """On an FP8 GPU the callback compiles the patched model block by block (its report says so), and the
+    compiled run learns; ``compile=False`` keeps it eager."""
+    trainer = gpu_train(text_rows, tmp_path / "default", "native", max_steps=6, logging_steps=1)
+    notes = fp8_callback(trainer).report.notes
+    assert any("compiled block by block" in note for note in notes)
+    blocks = trainer.model.model.layers
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0]
+    eager = Trainer(
+        model=tm.build("llama", seed=0).cuda(),
+        args=gpu_arguments(tmp_path / "eager", max_steps=1),
+        train_dataset=text_rows,
+        callbacks=[Fp8TrainerCallback(compile=False)],
+    )
+    assert all(block._compiled_call_impl is None for block in eager.model.model.layers)

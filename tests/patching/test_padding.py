@@ -1,6 +1,6 @@
-"""Padding the token dimension to a multiple of 16 on the fly (or once, in the collator): the loss and
-the outputs of the unpadded batch, every input filled as documented, and no padding where it would
-change a result (evaluation, generation, encoder-decoder tuples, ``*args`` forwards)."""
+"""Token counts that are no multiple of 16: a patched model takes them as they are (each FP8 layer pads
+its own GEMM operands) and never changes its inputs or outputs; the collator's optional padding gives
+the loss of the unpadded batch and keeps packed sequences apart."""
 
 import copy
 
@@ -34,7 +34,7 @@ def test_padding_does_not_change_the_loss(arch):
     model = tm.build(arch).eval()
     batch = tm.batch_for(arch, 13)
     padded, lengths = pad_batch(batch, 16, 0, encoder_decoder=arch == "t5")
-    assert padded["input_ids"].shape[1] == 16 and lengths.changed
+    assert padded["input_ids"].shape[1] == 16 and lengths.lengths["main"] == (13, 16)
     with torch.no_grad():
         plain, aligned = model(**batch), model(**padded)
     if arch == "bert":
@@ -44,24 +44,32 @@ def test_padding_does_not_change_the_loss(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
-def test_on_the_fly_padding_equals_collator_padding(arch):
-    on_the_fly = tm.build(arch)
-    collated = copy.deepcopy(on_the_fly)
-    patch_model(on_the_fly)
+def test_collator_padding_trains_as_the_unpadded_batch(arch):
+    """The patched model on the collator's aligned batch and on the raw one: the same loss and logits up
+    to FP8 rounding (the pad tokens' activations may change a current scale), the same gradients'
+    direction."""
+    raw_model = tm.build(arch)
+    collated = copy.deepcopy(raw_model)
+    patch_model(raw_model)
     patch_model(collated)
     features = [{k: v[i] for k, v in tm.batch_for(arch, 13).items()} for i in range(2)]
     collator = Fp8PaddingCollator(
-        pad_token_id=on_the_fly.config.pad_token_id or 0, encoder_decoder=arch == "t5"
+        pad_token_id=raw_model.config.pad_token_id or 0, encoder_decoder=arch == "t5"
     )
     aligned = collator(features)
     assert aligned["input_ids"].shape[1] == 16 and (aligned["attention_mask"][:, 13:] == 0).all()
     from transformers import default_data_collator
 
     raw = default_data_collator(features)
-    out_a, out_b = on_the_fly(**raw), collated(**aligned)
+    out_a, out_b = raw_model(**raw), collated(**aligned)
     assert out_a.logits.shape[1] == raw["labels"].shape[1]
-    assert torch.allclose(out_a.loss, out_b.loss, rtol=1e-6)
-    assert torch.allclose(out_a.logits, out_b.logits[:, : out_a.logits.shape[1]], atol=1e-6)
+    assert torch.allclose(out_a.loss, out_b.loss, rtol=2e-2)
+    difference = out_a.logits - out_b.logits[:, : out_a.logits.shape[1]]
+    assert difference.norm() / out_a.logits.norm() < 0.05
+    out_a.loss.backward()
+    out_b.loss.backward()
+    flat = [torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (raw_model, collated)]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) > 0.99
 
 
 def inner_inputs(model):
@@ -71,21 +79,18 @@ def inner_inputs(model):
     return calls
 
 
-def test_on_the_fly_padding_fills_each_input_as_documented():
+def test_the_model_sees_the_callers_inputs_and_returns_their_length():
+    """No padding, no mask added, position ids as given (a packed row stays packed)."""
     model = tm.build("llama")
     patch_model(model)
     calls = inner_inputs(model)
     ids = torch.randint(4, 256, (2, 13))
     out = model(ids, labels=ids)
-    seen = calls[-1]
-    assert seen["input_ids"].shape == (2, 16) and (seen["input_ids"][:, 13:] == 0).all()
-    assert (seen["attention_mask"][:, :13] == 1).all() and (seen["attention_mask"][:, 13:] == 0).all()
+    assert calls[-1]["input_ids"].shape == (2, 13) and calls[-1].get("attention_mask") is None
     assert out.logits.shape == (2, 13, 256)
-    # With position ids and no mask (maybe a packed batch), positions continue and no mask is made.
-    positions = torch.arange(13).expand(2, 13) + 5
+    positions = torch.cat([torch.arange(6), torch.arange(7)]).expand(2, 13)
     model(ids, labels=ids, position_ids=positions)
-    assert calls[-1]["position_ids"][0, 13:].tolist() == [18, 19, 20]
-    assert calls[-1].get("attention_mask") is None
+    assert torch.equal(calls[-1]["position_ids"], positions) and calls[-1].get("attention_mask") is None
 
 
 def test_packed_sequences_stay_apart_after_padding():
@@ -102,15 +107,6 @@ def test_packed_sequences_stay_apart_after_padding():
         single = model(input_ids=ids[:, 6:], use_cache=False).logits
     assert torch.allclose(plain, aligned, atol=1e-5)
     assert torch.allclose(aligned[:, 6:], single, atol=1e-5), "the second sequence must not see the first"
-
-
-def test_pad_token_outside_a_small_vocabulary_is_not_used():
-    """GPT2Config's EOS id (50256) is outside a 256-token vocabulary; padding must still use a valid id."""
-    model = tm.build("gpt2")
-    model.config.eos_token_id = 50256
-    assert model.config.pad_token_id is None
-    patch_model(model)
-    model(**tm.batch_for("gpt2", 13)).loss.backward()
 
 
 def test_eval_mode_runs_high_precision_without_padding():
@@ -150,8 +146,8 @@ def test_encoder_decoder_tuple_outputs_keep_their_lengths():
     ]
 
 
-def test_forward_taking_star_args_runs_unpadded():
-    """A wrapper whose forward takes *args (PeftModel's does) cannot have its inputs named and padded."""
+def test_forward_taking_star_args_runs():
+    """A wrapper whose forward takes *args (PeftModel's does)."""
 
     class Wrapper(nn.Module):
         def __init__(self, inner):

@@ -9,7 +9,7 @@ import itertools
 import torch
 from torch import nn
 
-from hf_fp8.backends.te.layers import init_context, take_over
+from hf_fp8.backends.te.layers import init_context, rows_padded, take_over
 from hf_fp8.backends.te.loading import load_te
 from hf_fp8.backends.te.state_dict import dequantized
 from hf_fp8.formats import FP8_ALIGNMENT
@@ -110,11 +110,11 @@ def fuse_block(layer: nn.Module, recipe: Fp8Recipe) -> tuple[list[tuple[str, nn.
     common = dict(normalization="RMSNorm", params_dtype=q.weight.dtype, device=q.weight.device)
     mlp_frozen = not any(p.weight.requires_grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     with init_context(recipe, frozen=not q.weight.requires_grad):
-        qkv = te.LayerNormLinear(
+        qkv = rows_padded(te.LayerNormLinear)(
             q.in_features, sum(sizes), eps=norm_eps(norm1), bias=q.bias is not None, **common
         )
     with init_context(recipe, frozen=mlp_frozen):
-        fused_mlp = te.LayerNormMLP(
+        fused_mlp = rows_padded(te.LayerNormMLP)(
             q.in_features,
             mlp.gate_proj.out_features,
             eps=norm_eps(norm2),

@@ -80,16 +80,22 @@ def te_linear(module: nn.Module, recipe: Fp8Recipe) -> nn.Module:
     return new
 
 
-@functools.cache
 def _te_linear_class() -> type:
-    """``te.Linear`` that also takes inputs whose row count is not a multiple of 16.
+    """``te.Linear`` that also takes inputs whose row count is not a multiple of 16."""
+    return rows_padded(load_te().Linear)
 
-    TE's FP8 GEMMs refuse those; inside a padded batch only layers that see one row per sequence
-    (BERT's pooler, classification heads) meet them. Their rows are zero-padded for the GEMM.
-    """
-    te = load_te()
 
-    class TeLinear(te.Linear):
+@functools.cache
+def rows_padded(te_class: type) -> type:
+    """``te_class`` (a TE module whose forward runs FP8 GEMMs over the rows of its input) taking inputs of
+    any row count.
+
+    TE's FP8 GEMMs refuse a row count that is not a multiple of 16, and the model's inputs are never
+    padded (a packed row, a padding-free batch, one row per sequence in a classification head): the
+    rows are zero-padded for the GEMMs and the output sliced back. A zero row adds nothing to a weight
+    gradient, and RMSNorm keeps it zero."""
+
+    class RowsPadded(te_class):
         _hf_fp8_te = True
 
         def forward(self, inp: torch.Tensor, *args: Any, **kwargs: Any):
@@ -101,7 +107,8 @@ def _te_linear_class() -> type:
             out = super().forward(flat, *args, **kwargs)
             return out[:rows].reshape(*inp.shape[:-1], out.shape[-1])
 
-    return TeLinear
+    RowsPadded.__name__ = RowsPadded.__qualname__ = f"RowsPadded{te_class.__name__}"
+    return RowsPadded
 
 
 def _fp8_on() -> bool:
