@@ -140,7 +140,38 @@ def test_examples_refuse_bad_arguments_in_one_line(name, args, expected):
     assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+def test_helpers_beside_the_scripts_are_few():
+    """examples/ holds scripts, and one module the TRL scripts share."""
+    assert sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in SCRIPTS) == ["trl_common.py"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_every_example_has_help(name):
     out = ok(example(name, "--help"))
     assert "usage:" in out and ("--steps" in out or "--seq-len" in out)
+
+
+@needs_demo_data
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
+def test_trl_examples_train_in_fp8(trainer, tmp_path):
+    """Each TRL example trains SmolLM2 one step with the callback: its 210 layers in FP8, the gradients'
+    amax recorded (the FP8 step ended at the optimizer step)."""
+    out = ok(
+        example(
+            f"trl_{trainer}.py",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "48",
+            "--out",
+            str(tmp_path),
+        )
+    )
+    assert "FP8 layers: 210" in out, out
+    amax = re.search(r"fp8/amax_bwd\s+([\d.e+-]+)", out)
+    assert amax is not None and float(amax[1]) > 0, out
