@@ -10,7 +10,9 @@ and its amax become one kernel, fused into the norm or activation that produced 
 Every graph it makes with Inductor runs one pass of this package first: attention that broadcasts a
 single key/value head over all query heads (Falcon's multi-query attention) asks PyTorch for
 grouped-query attention instead, the same values on its fused kernels rather than float32 math (see
-:mod:`hf_fp8.integrations.multi_query`).
+:mod:`hf_fp8.integrations.multi_query`). A model that attends with ``sdpa`` attends a packed row's
+sequences (TRL's padding-free batches) one by one, on variable-length flash attention, instead of
+through a mask over the whole row (see :mod:`hf_fp8.integrations.packed_attention`).
 
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
 amax: its graph is compiled too, and the block compiles once more for the steady state (a Python flag
@@ -46,6 +48,7 @@ from hf_fp8.integrations.graph_steps import (
     wants_cuda_graphs,
 )
 from hf_fp8.integrations.multi_query import with_graph_passes
+from hf_fp8.integrations.packed_attention import boundaries_for, use_packed_attention
 from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
@@ -97,6 +100,8 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
     if hf_model is not None:
         hf_model.register_forward_pre_hook(_route_cache, with_kwargs=True)
         hf_model.register_forward_hook(_leave_eager, with_kwargs=True, always_call=True)
+        if use_packed_attention(hf_model):
+            hf_model.register_forward_pre_hook(_give_packed_boundaries, with_kwargs=True)
     if wants_cuda_graphs(options):
         add_graph_steps(hf_model if hf_model is not None else model)
     if hf_model is None or not _compile_head(hf_model, blocks, options):
@@ -208,6 +213,12 @@ def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     model.__dict__.setdefault(_EAGER_CALLS, []).append(stance)
     return args, kwargs
+
+
+def _give_packed_boundaries(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Before the HF model's forward: a packed row's sequence boundaries for its attention."""
+    extra = boundaries_for(kwargs)
+    return (args, {**kwargs, **extra}) if extra else None
 
 
 def _leave_eager(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
