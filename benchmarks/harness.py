@@ -162,6 +162,12 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3, top: int 
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return kernel_time_by_kind(prof, steps, top)
+
+
+def kernel_time_by_kind(prof, steps: int, top: int = 25) -> dict:
+    """What :func:`gpu_time_by_kind` reports, from a finished torch.profiler ``prof`` over ``steps``
+    steps (its ``total`` is the GPU time of all kernels a step)."""
     totals: dict[str, float] = {}
     by_kernel: dict[str, float] = {}
     kernels = 0
@@ -177,6 +183,7 @@ def gpu_time_by_kind(step: Callable[[], torch.Tensor], steps: int = 3, top: int 
         by_kernel[event.key[:90]] = by_kernel.get(event.key[:90], 0.0) + device_us / 1e3 / steps
         kernels += event.count
     totals["kernels"] = kernels / steps
+    totals["total"] = sum(v for k, v in totals.items() if k != "kernels")
     result: dict = {k: round(v, 2) for k, v in sorted(totals.items())}
     largest = sorted(by_kernel.items(), key=lambda item: -item[1])[:top]
     result["largest"] = [(name, round(ms, 2)) for name, ms in largest]

@@ -2,9 +2,12 @@
 eager and compiled, in one process on one GPU.
 
     python benchmarks/linear_bench.py [--tokens 16384]
+    python benchmarks/linear_bench.py --no-grad-rows 8,64,256,1024,4096
 
 Shows how much of the FP8 GEMM gain the casts around it keep: the GEMMs alone run 1.6-2x BF16 at these
-shapes on H100/H200, every unfused amax/scale/cast pass over a tensor eats into that.
+shapes on H100/H200, every unfused amax/scale/cast pass over a tensor eats into that. With
+``--no-grad-rows``: forwards without gradient (generation) at those row counts, FP8 forced on against
+the plain BF16 layer: where the plain layer wins is ``Fp8Linear``'s ``PLAIN_BELOW_ROWS``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def time_ms(fn, warmup: int = 5, reps: int = 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--no-grad-rows", help="comma-separated row counts: time forwards without gradient")
     args = parser.parse_args(argv)
+    if args.no_grad_rows:
+        return no_grad_table([int(r) for r in args.no_grad_rows.split(",")])
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens, fwd+bwd")
     print("| in x out | bf16 ms | fp8 eager | fp8 compiled | bf16 compiled |\n|---|---|---|---|---|")
     for in_features, out_features in SHAPES:
@@ -55,6 +61,28 @@ def main(argv: list[str] | None = None) -> int:
         base = timings[0]
         cells = " | ".join(f"{t:.3f} ({base / t:.2f}x)" for t in timings[1:])
         print(f"| {in_features} x {out_features} | {base:.3f} | {cells} |", flush=True)
+    return 0
+
+
+@torch.no_grad()
+def no_grad_table(row_counts: list[int]) -> int:
+    """Eager forwards without gradient in training mode, as inside generation: BF16 against FP8 (weight
+    and input cast every call, as the layer does without a stored FP8 weight)."""
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, eager forward without gradient")
+    print("| in x out | rows | bf16 ms | fp8 ms | fp8 vs bf16 |\n|---|---|---|---|---|")
+    for in_features, out_features in SHAPES:
+        torch.manual_seed(0)
+        linear = nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
+        fp8 = hf_fp8.Fp8Linear.from_float(linear)
+        for rows in row_counts:
+            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            bf16_ms = time_ms(lambda x=x, m=linear: m(x))
+            with hf_fp8.fp8_autocast(enabled=True):  # past Fp8Linear.plain_is_faster
+                fp8_ms = time_ms(lambda x=x, m=fp8: m(x))
+            print(
+                f"| {in_features} x {out_features} | {rows} | {bf16_ms:.4f} | {fp8_ms:.4f} "
+                f"| {bf16_ms / fp8_ms:.2f}x |"
+            )
     return 0
 
 

@@ -5,7 +5,7 @@
 
 Prompts are the first words of Shakespeare's lines; the reward prefers completions that end a sentence
 near 40 characters. Generation runs the model's decode steps through the plain layers (a handful of
-rows: faster than casting each weight to FP8 per token) and the prefill and training in FP8.
+rows: faster than casting each weight to FP8 per token) and training in FP8.
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.10
+    varlen_attn = None
+
 __all__ = [
     "ATTENTION",
     "boundaries_for",
@@ -89,6 +94,13 @@ def packed_sdpa(
     return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
 
 
+# What this torch's varlen_attn takes: causality as a window (torch 2.11) or a flag, and whether it
+# groups query heads over key/value heads itself.
+_VARLEN_OPTIONS = (
+    frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+)
+
+
 def _varlen_causal(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,12 +109,9 @@ def _varlen_causal(
     longest: int,
     scale: float | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    options = _varlen_options()
-    causal = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
+    causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_OPTIONS else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in options:
+        if "enable_gqa" in _VARLEN_OPTIONS:
             causal["enable_gqa"] = True
         else:  # an older varlen_attn: every query head its own key/value head
             groups = q.shape[1] // k.shape[1]
@@ -111,18 +120,12 @@ def _varlen_causal(
 
 
 @functools.cache
-def _varlen_options() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-@functools.cache
 def register() -> bool:
     """Register :data:`ATTENTION` with transformers (once); ``False`` where this torch has no
     ``varlen_attn`` or this transformers no attention interface."""
+    if varlen_attn is None:
+        return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:

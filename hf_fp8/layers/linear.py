@@ -35,12 +35,14 @@ from hf_fp8.recipe import Fp8Recipe
 __all__ = ["PLAIN_BELOW_ROWS", "Fp8Conv1D", "Fp8Linear", "Fp8Module"]
 
 # A forward without gradient in training mode (generation inside RL trainers, a reference pass) over
-# fewer rows than this runs the plain layer when the weight is kept in high precision. A decode step's
-# GEMM has a handful of rows and is bound by reading the weight: the plain layer reads it once (2 bytes a
-# value in BF16), FP8 would cast it first (2 bytes read, 1 written) and then read the cast (1). Where
-# FP8 was asked for explicitly (``use_during_eval`` in eval mode, ``fp8_autocast(enabled=True)``) it
-# runs; weights stored (or gathered) in FP8 run in FP8 at any row count, the cheaper read for them.
-PLAIN_BELOW_ROWS = 256
+# fewer rows than this runs the plain layer when the weight is kept in high precision. Without a
+# gradient there is no weight-gradient GEMM to share the weight's cast with: each call casts the whole
+# weight (read 2 bytes a value, write 1) for one GEMM. Measured on one H200 (benchmarks/RESULTS.md,
+# `linear_bench.py --no-grad-rows`), eager FP8 forwards ran 0.03-0.05x the plain BF16 layer at 8 to 256
+# rows and 0.18-0.46x at 4096, at every Llama-3 shape. Where FP8 was asked for explicitly
+# (``use_during_eval`` in eval mode, ``fp8_autocast(enabled=True)``) it runs; weights stored (or
+# gathered) in FP8 run in FP8 at any row count, the cheaper read for them.
+PLAIN_BELOW_ROWS = 4096
 
 
 class Fp8Module(Fp8Scaled):

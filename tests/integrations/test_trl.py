@@ -292,9 +292,9 @@ def test_greedy_generate_matches_and_never_pads_a_decode_step():
     """``generate`` from a patched model in training mode (as GRPO calls it): the greedy tokens of the
     unpatched model; each decode step's layers see one row a sequence (no padding to 16), through the
     plain layer (faster at a few rows: see Fp8Linear.plain_is_faster), and the prefill in FP8."""
-    reference, model = ts.tiny_llama(seed=3), ts.tiny_llama(seed=3)
+    reference, model = (ts.tiny_llama(seed=3, max_position_embeddings=2560) for _ in range(2))
     hf_fp8.patch_model(model)
-    prompt = torch.randint(0, 256, (2, 300))  # a prefill of 600 rows: above the plain layer's limit
+    prompt = torch.randint(0, 256, (2, 2100))  # a prefill of 4200 rows: above the plain layer's limit
     rows = []
     q_proj = model.model.layers[0].self_attn.q_proj
     q_proj.register_forward_pre_hook(lambda m, args: rows.append(args[0].numel() // args[0].shape[-1]))
@@ -304,11 +304,11 @@ def test_greedy_generate_matches_and_never_pads_a_decode_step():
         with ScaledMmCalls() as calls:
             got = model.generate(prompt, **kwargs)
     assert len(calls.calls) == len(fp8_layers(model)), "the prefill ran in FP8, the decode steps did not"
-    assert rows == [600] + [2] * 7
+    assert rows == [4200] + [2] * 7
     # Each row's tokens are the unpatched model's until, if ever, a choice within FP8 rounding of a tie
     # (a random model's logits are nearly flat): there the unpatched model ranks FP8's token within 0.2.
     for row in range(2):
-        new, reference_new = got[row, 300:], expected.sequences[row, 300:]
+        new, reference_new = got[row, 2100:], expected.sequences[row, 2100:]
         differs = (new != reference_new).nonzero()
         if len(differs):
             step = int(differs[0])
