@@ -146,6 +146,15 @@ def run(trainer_class, config_class, out, fp8: bool, recipe=None, model=None, **
     return trainer, calls.calls
 
 
+def with_and_without_fp8(trainer_class, config_class, out, **kwargs) -> list[tuple]:
+    """:func:`run` in FP8, then the same run unpatched (each builds its own model from the same seed)."""
+    model = kwargs.pop("model", None)
+    return [
+        run(trainer_class, config_class, out / str(fp8), fp8, model=model() if model else None, **kwargs)
+        for fp8 in (True, False)
+    ]
+
+
 def logged(trainer, key: str) -> list[float]:
     """``key`` of every step's log."""
     return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]

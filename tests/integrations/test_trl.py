@@ -113,17 +113,13 @@ SFT_CASES = {
 @pytest.mark.parametrize("case", SFT_CASES)
 def test_sft_trains_in_fp8(case, tmp_path):
     spec = SFT_CASES[case]
-    runs = [
-        ts.run(
-            trl.SFTTrainer,
-            trl.SFTConfig,
-            tmp_path / str(fp8),
-            fp8,
-            train_dataset=spec["dataset"](),
-            config=dict(spec["config"]),
-        )
-        for fp8 in (True, False)
-    ]
+    runs = ts.with_and_without_fp8(
+        trl.SFTTrainer,
+        trl.SFTConfig,
+        tmp_path,
+        train_dataset=spec["dataset"](),
+        config=dict(spec["config"]),
+    )
     assert_trains_as_unpatched(*runs)
 
 
@@ -132,19 +128,15 @@ def test_sft_lora_over_fp8_weights(tmp_path):
     from peft import LoraConfig
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    runs = [
-        ts.run(
-            trl.SFTTrainer,
-            trl.SFTConfig,
-            tmp_path / str(fp8),
-            fp8,
-            recipe="lora-fp8",
-            train_dataset=ts.text_rows(),
-            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=targets),
-            config={"learning_rate": 1e-2},
-        )
-        for fp8 in (True, False)
-    ]
+    runs = ts.with_and_without_fp8(
+        trl.SFTTrainer,
+        trl.SFTConfig,
+        tmp_path,
+        recipe="lora-fp8",
+        train_dataset=ts.text_rows(),
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=targets),
+        config={"learning_rate": 1e-2},
+    )
     assert_trains_as_unpatched(*runs)
     stored = [m for m in fp8_layers(runs[0][0].model) if m.weight_in_fp8]
     assert len(stored) == 2 * 7, "every targeted base weight stored in FP8"
@@ -223,19 +215,15 @@ def test_dpo_trains_in_fp8(case, tmp_path):
 def test_dpo_lora_takes_the_disabled_adapters_as_reference(tmp_path):
     from peft import LoraConfig
 
-    runs = [
-        ts.run(
-            trl.DPOTrainer,
-            trl.DPOConfig,
-            tmp_path / str(fp8),
-            fp8,
-            recipe="lora-fp8",
-            train_dataset=ts.preference_rows(),
-            config={"learning_rate": 1e-2},
-            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
-        )
-        for fp8 in (True, False)
-    ]
+    runs = ts.with_and_without_fp8(
+        trl.DPOTrainer,
+        trl.DPOConfig,
+        tmp_path,
+        recipe="lora-fp8",
+        train_dataset=ts.preference_rows(),
+        config={"learning_rate": 1e-2},
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
     assert_trains_as_unpatched(*runs)
     assert ts.logged(runs[0][0], "logps/chosen")[0] < -1
 
@@ -265,18 +253,14 @@ def test_grpo_trains_in_fp8(tmp_path):
         "learning_rate": 1e-2,
         "temperature": 1.0,
     }
-    runs = [
-        ts.run(
-            trl.GRPOTrainer,
-            trl.GRPOConfig,
-            tmp_path / str(fp8),
-            fp8,
-            reward_funcs=reward_length,
-            train_dataset=ts.prompt_rows(),
-            config=dict(config),
-        )
-        for fp8 in (True, False)
-    ]
+    runs = ts.with_and_without_fp8(
+        trl.GRPOTrainer,
+        trl.GRPOConfig,
+        tmp_path,
+        reward_funcs=reward_length,
+        train_dataset=ts.prompt_rows(),
+        config=dict(config),
+    )
     (trainer, calls), (reference, _) = runs
     assert calls
     # GRPO's first loss is zero by construction (advantages times a ratio of 1); its gradient is not.
@@ -328,17 +312,13 @@ def test_reward_trainer_trains_in_fp8(tmp_path):
         config.num_labels = 1
         return AutoModelForSequenceClassification.from_config(config)
 
-    runs = [
-        ts.run(
-            trl.RewardTrainer,
-            trl.RewardConfig,
-            tmp_path / str(fp8),
-            fp8,
-            model=reward_model(),
-            train_dataset=ts.preference_rows(),
-        )
-        for fp8 in (True, False)
-    ]
+    runs = ts.with_and_without_fp8(
+        trl.RewardTrainer,
+        trl.RewardConfig,
+        tmp_path,
+        model=reward_model,
+        train_dataset=ts.preference_rows(),
+    )
     assert_trains_as_unpatched(*runs)
     callback = next(
         c for c in runs[0][0].callback_handler.callbacks if isinstance(c, hf_fp8.Fp8TrainerCallback)
