@@ -30,7 +30,7 @@ from hf_fp8.recipe_keys import (
     validate_field,
 )
 
-__all__ = ["LAUNCHER_ENV", "RECIPES", "SCALING_FIELDS", "Fp8Recipe", "as_recipe"]
+__all__ = ["LAUNCHER_ENV", "RECIPES", "RECIPE_PURPOSES", "SCALING_FIELDS", "Fp8Recipe", "as_recipe"]
 
 # Where `hf-fp8 launch` puts the recipe (as YAML text) for the processes it starts.
 LAUNCHER_ENV = "HF_FP8_RECIPE"
@@ -293,34 +293,34 @@ class Fp8Recipe:
 
 
 RECIPES: dict[str, Fp8Recipe] = {
-    # Transformer Engine's DelayedScaling defaults.
     "hybrid-delayed": Fp8Recipe(),
-    # Scales from each tensor's own amax: no history to warm up, robust to sudden range changes.
     "current-scaling": Fp8Recipe(scaling="current"),
-    # One binade of headroom: first thing to try against overflow and loss spikes.
     "conservative": Fp8Recipe(margin=1),
-    # The fastest measured with hf_fp8.compile: the output head's dgrad and wgrad in FP8 too, its logits
-    # in BF16 (SmolLM2-135M on Shakespeare, GPU: final loss +0.69% of BF16's; the head's forward in FP8
-    # as well: +1.02%).
     "head-backward": Fp8Recipe(convert_lm_head="backward"),
-    # LoRA: frozen base weights stored in FP8 (MoE experts' too), adapters in high precision.
     "lora-fp8": Fp8Recipe(fp8_weights=True, convert_experts=True),
-    # A frozen model that only runs forwards (DPO's reference model): weights stored in FP8, FP8 in eval
-    # mode too, so its passes read one byte a weight and never cast a weight again.
     "reference-fp8": Fp8Recipe(fp8_weights=True, use_during_eval=True),
-    # Full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend).
     "fsdp-fp8": Fp8Recipe(fp8_all_gather=True),
-    # A scale per row of each GEMM operand, from its own amax (torchao's row-wise recipes).
     "rowwise": Fp8Recipe(format="e4m3", scaling="rowwise"),
     "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),
-    # DeepSeek-V3 blocks: 1x128 tiles for activations and gradients, 128x128 for weights.
     "block": Fp8Recipe(format="e4m3", scaling="block"),
-    # Block scaling at its fastest: the output head in block FP8 too (Llama 8b-4l / 1B shapes on one
-    # H200, hf_fp8.compile: 1.44x / 1.49x BF16 eager; SmolLM2-135M on Shakespeare: train loss +0.79%).
     "block-head": Fp8Recipe(format="e4m3", scaling="block", convert_lm_head=True),
-    # LoRA over frozen base weights stored in FP8 with a scale per 128x128 block: the layout of
-    # fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8), which load into it without a BF16 copy.
     "lora-fp8-block": Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True, convert_experts=True),
+}
+
+# What each named recipe is for, one line each (``hf-fp8 recipes`` and the command line's help show it).
+RECIPE_PURPOSES: dict[str, str] = {
+    "hybrid-delayed": "the defaults (TE's DelayedScaling): E4M3 forward, E5M2 gradients, delayed scales",
+    "current-scaling": "scales from each tensor's own amax: no history, robust to sudden range changes",
+    "conservative": "margin 1, a binade of headroom: the first thing to try against overflow or loss spikes",
+    "head-backward": "the fastest with hf_fp8.compile: the output head's backward in FP8, its logits in BF16",
+    "lora-fp8": "LoRA: frozen base weights (MoE experts' too) stored in FP8, adapters in high precision",
+    "reference-fp8": "a frozen model that only runs forwards (DPO's reference): FP8 weights, FP8 in eval too",
+    "fsdp-fp8": "full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend)",
+    "rowwise": "a scale per row of each GEMM operand, from its own amax (torchao's row-wise recipe)",
+    "rowwise-gw-hp": "row-wise scales, the weight-gradient GEMM in high precision",
+    "block": "DeepSeek-V3's 1x128 / 128x128 blocks: the most robust to outliers",
+    "block-head": "block scaling with the output head in block FP8 too: block scaling at its fastest",
+    "lora-fp8-block": "LoRA over base weights stored in FP8 in 128x128 blocks (fine-grained FP8 checkpoints)",
 }
 
 

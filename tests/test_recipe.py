@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from hf_fp8 import E4M3, E5M2, RECIPES, Fp8Recipe
+from hf_fp8.recipe import RECIPE_PURPOSES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,6 +238,7 @@ def test_named_recipes_match_shipped_yaml_files():
     )
     for name, path in files.items():
         assert Fp8Recipe.from_yaml(path) == Fp8Recipe.named(name), name
+    assert set(RECIPE_PURPOSES) == set(RECIPES), "every named recipe says what it is for"
     assert Fp8Recipe.named("conservative").margin == 1
     assert Fp8Recipe.named("lora-fp8").fp8_weights
     assert Fp8Recipe.named("lora-fp8-block") == Fp8Recipe.named("block").replace(

@@ -8,6 +8,7 @@ commands:
   launch    accelerate launch with an FP8 recipe: hf-fp8 launch --recipe NAME script.py [args]
   inspect   what patch_model would convert in a model (folder or config.json), and its weight memory
   env       versions, GPUs, FP8 support, and the backend that backend='auto' picks
+  recipes   every named recipe and what it is for
   demo      fine-tune SmolLM2-135M on Shakespeare in BF16 and in FP8 and compare the two runs
 
 Run 'hf-fp8 <command> --help' for a command's options. Bad input gets one line on stderr and exit
@@ -27,7 +28,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_COMMANDS = ("launch", "inspect", "env", "demo")
+_COMMANDS = ("launch", "inspect", "env", "recipes", "demo")
 
 
 class CliError(Exception):
@@ -43,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, rest = argv[0], argv[1:]
         if command not in _COMMANDS:
             raise CliError(f"unknown command {command!r}; commands: {', '.join(_COMMANDS)} (hf-fp8 --help)")
-        return {"launch": _launch, "inspect": _inspect, "env": _env, "demo": _demo}[command](rest)
+        commands = {"launch": _launch, "inspect": _inspect, "env": _env, "recipes": _recipes, "demo": _demo}
+        return commands[command](rest)
     except CliError as err:
         print(f"hf-fp8: error: {err}", file=sys.stderr)
         return 2
@@ -67,7 +69,7 @@ def _launch(argv: list[str]) -> int:
         return 0
     # Added to accelerate's own parser: its options are checked as accelerate checks them, and
     # everything after the script is the script's, a --recipe there included.
-    parser.add_argument("--recipe", required=True, help=_RECIPE_HELP)
+    parser.add_argument("--recipe", required=True, help=_recipe_help())
 
     def refuse(message: str) -> None:
         raise CliError(f"launch: {message}")
@@ -100,10 +102,13 @@ def _launch(argv: list[str]) -> int:
     return 0
 
 
-_RECIPE_HELP = (
-    "FP8 recipe: a name (conservative, current-scaling, hybrid-delayed, lora-fp8) or a YAML file; "
-    "recipes/ holds the named ones as YAML"
-)
+def _recipe_help() -> str:
+    """The --recipe option's help, built from the named recipes (imported when a command runs, not for
+    ``hf-fp8 --help``)."""
+    from hf_fp8.recipe import RECIPES
+
+    return f"FP8 recipe: a name ({', '.join(RECIPES)}; hf-fp8 recipes says what each is for) or a YAML file"
+
 
 
 def _asks_for_help(argv: list[str]) -> bool:
@@ -127,7 +132,7 @@ def _launch_help(accelerate_help: str) -> str:
             "defaults to bf16).",
             "",
             "hf-fp8 options:",
-            f"  --recipe RECIPE       (required) {_RECIPE_HELP}",
+            f"  --recipe RECIPE       (required) {_recipe_help()}",
             "",
             "refused: --mixed_precision fp8 (accelerate would convert the model to FP8 a second time)",
             "",
@@ -146,13 +151,37 @@ def _load_recipe(spec: str):
         raise CliError(str(err)) from None
 
 
+# ---- recipes ----------------------------------------------------------------------------------------
+
+
+def _recipes(argv: list[str]) -> int:
+    parser = _parser("recipes", "Every named recipe and what it is for; --show NAME prints one as YAML.")
+    parser.add_argument(
+        "--show", metavar="NAME", help="print this recipe's keys as YAML (a file to start from)"
+    )
+    args = parser.parse_args(argv)
+    from hf_fp8.recipe import RECIPE_PURPOSES, RECIPES
+
+    if args.show is not None:
+        print(_load_recipe(args.show).to_yaml(), end="")
+        return 0
+    width = max(map(len, RECIPES))
+    for name in RECIPES:
+        print(f"{name:{width}}  {RECIPE_PURPOSES[name]}")
+    print(
+        "\nUse one by name (patch_model(model, NAME), Fp8TrainerCallback(NAME), --recipe NAME), or start a "
+        "YAML file of your own from one: hf-fp8 recipes --show NAME > my-recipe.yaml"
+    )
+    return 0
+
+
 # ---- inspect ----------------------------------------------------------------------------------------
 
 
 def _inspect(argv: list[str]) -> int:
     parser = _parser("inspect", "What patch_model would convert in a model, and its weight memory.")
     parser.add_argument("model", help="a model folder (with config.json) or a config.json file")
-    parser.add_argument("--recipe", default="hybrid-delayed", help=_RECIPE_HELP)
+    parser.add_argument("--recipe", default="hybrid-delayed", help=_recipe_help())
     args = parser.parse_args(argv)
     recipe = _load_recipe(args.recipe)
     model, class_note = _meta_model(args.model)
@@ -168,7 +197,13 @@ def _inspect(argv: list[str]) -> int:
     gemm = sum(r.params for r in report.converted_gemms) * bytes_per_value
     fp8 = total - gemm + gemm // bytes_per_value
     print(f"  weights: {_size(total)} in {dtype} ({dtype_note})")
-    print(f"  converted layers' weights stored in FP8 (fp8_weights, frozen): {_size(fp8)}, {fp8 / total:.0%}")
+    if recipe.fp8_weights:
+        print(f"  this recipe's frozen weights stored in FP8 (fp8_weights): {_size(fp8)}, {fp8 / total:.0%}")
+    else:
+        print(
+            f"  this recipe keeps the weights in {dtype} (FP8 casts them for each GEMM); stored in FP8 "
+            f"(fp8_weights, frozen, as in lora-fp8) they would take {_size(fp8)}, {fp8 / total:.0%}"
+        )
     return 0
 
 

@@ -64,7 +64,7 @@ def test_inspect_reports_what_would_be_converted_and_the_weight_memory(config_di
     assert result.returncode == 0, result.stderr
     assert "FP8 GEMM layers: 14 of 15" in result.stdout and "margin 1" in result.stdout
     assert "model.layers.*.self_attn.q_proj" in result.stdout and "weights:" in result.stdout
-    assert "stored in FP8" in result.stdout
+    assert "keeps the weights in" in result.stdout, "conservative casts; it stores nothing in FP8"
 
 
 @needs_demo_data
@@ -220,7 +220,7 @@ def test_help_lists_the_commands_and_answers_at_once():
     result = hf_fp8("--help")
     elapsed = time.perf_counter() - start
     assert result.returncode == 0 and "``" not in result.stdout
-    for command in ("launch", "inspect", "env", "demo", "hf-fp8 <command> --help"):
+    for command in ("launch", "inspect", "env", "recipes", "demo", "hf-fp8 <command> --help"):
         assert command in result.stdout
     assert elapsed < 3.0, f"hf-fp8 --help took {elapsed:.1f} s; it must not import torch"  # < 1 s measured
 
@@ -268,3 +268,40 @@ def test_inspect_of_a_real_checkpoint_reports_its_own_class_names_and_dtype():
 def test_inspect_header_shows_every_recipe_field_that_is_not_the_default(config_dir):
     result = hf_fp8("inspect", str(config_dir), "--recipe", "lora-fp8")
     assert "recipe: hybrid, delayed scaling, margin 0, fp8_weights True" in result.stdout
+
+
+def test_recipes_lists_every_named_recipe_with_what_it_is_for():
+    from hf_fp8.recipe import RECIPE_PURPOSES, RECIPES
+
+    result = hf_fp8("recipes")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for name in RECIPES:
+        assert any(line.split()[:1] == [name] and RECIPE_PURPOSES[name] in line for line in lines), name
+    assert "hf-fp8 recipes --show NAME" in result.stdout
+
+
+def test_recipes_show_prints_a_recipe_that_loads_back(tmp_path):
+    from hf_fp8.recipe import RECIPES, Fp8Recipe
+
+    result = hf_fp8("recipes", "--show", "lora-fp8-block")
+    assert result.returncode == 0, result.stderr
+    (tmp_path / "mine.yaml").write_text(result.stdout)
+    assert Fp8Recipe.from_yaml(tmp_path / "mine.yaml") == RECIPES["lora-fp8-block"]
+    assert_one_line_error(hf_fp8("recipes", "--show", "turbo"), "'turbo' is neither a named recipe")
+
+
+def test_the_recipe_option_names_every_named_recipe():
+    from hf_fp8.recipe import RECIPES
+
+    help_text = "".join(hf_fp8("inspect", "--help").stdout.split())  # argparse wraps at hyphens
+    assert all(name in help_text for name in RECIPES) and "hf-fp8recipes" in help_text
+
+
+@pytest.mark.parametrize(
+    ("recipe", "expected"),
+    [("hybrid-delayed", "keeps the weights in"), ("lora-fp8", "stored in FP8 (fp8_weights)")],
+)
+def test_inspect_says_whether_the_recipe_stores_weights_in_fp8(config_dir, recipe, expected):
+    result = hf_fp8("inspect", str(config_dir), "--recipe", recipe)
+    assert result.returncode == 0 and expected in result.stdout, result.stdout
