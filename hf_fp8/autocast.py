@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["fp8_active", "fp8_autocast", "fp8_forced"]
+__all__ = ["fp8_active", "fp8_autocast", "fp8_forced", "generating", "in_generation"]
 
 _override: bool | None = None
+_generations = 0  # forwards with a KV cache in flight (see generating)
 
 
 @contextmanager
@@ -44,3 +45,21 @@ def fp8_forced() -> bool:
     """Whether an ``fp8_autocast(enabled=True)`` block is on: FP8 then runs wherever it can, also where
     the plain layer would be faster (a decode step's few rows)."""
     return _override is True
+
+
+@contextmanager
+def generating() -> Iterator[None]:
+    """Mark a forward as a generation step (a patched model's hook does, for a forward without gradient
+    that is given a KV cache): where the plain layer is faster there, FP8 layers in training mode use it
+    (see ``Fp8Linear.plain_is_faster``)."""
+    global _generations
+    _generations += 1
+    try:
+        yield
+    finally:
+        _generations -= 1
+
+
+def in_generation() -> bool:
+    """Whether a :func:`generating` block is on."""
+    return _generations > 0

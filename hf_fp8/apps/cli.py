@@ -110,7 +110,6 @@ def _recipe_help() -> str:
     return f"FP8 recipe: a name ({', '.join(RECIPES)}; hf-fp8 recipes says what each is for) or a YAML file"
 
 
-
 def _asks_for_help(argv: list[str]) -> bool:
     """-h/--help among hf-fp8 launch's own options (after the script it is the script's)."""
     for arg in argv:

@@ -52,6 +52,7 @@ from hf_fp8.integrations.packed_attention import boundaries_for, use_packed_atte
 from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.module_tree import repeated_blocks
+from hf_fp8.patching.forward_hooks import given_kv_cache
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.zero import gather_blocks_whole, zero_stage
 
@@ -200,7 +201,7 @@ def _route_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     """Before the HF model's forward: no KV cache where a loss is computed and nobody asked for one;
     eager execution where a cache is used (see the module docstring), and under CUDA graphs for every
     forward that is not a training step (see :mod:`hf_fp8.integrations.graph_steps`)."""
-    cache_given = kwargs.get("past_key_values") is not None
+    cache_given = given_kv_cache(kwargs)
     asked = kwargs.get("use_cache")
     config_wants = bool(getattr(getattr(model, "config", None), "use_cache", False))
     computes_loss = model.training or kwargs.get("labels") is not None

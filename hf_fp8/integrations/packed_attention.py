@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.patching.forward_hooks import given_kv_cache
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch before 2.10
@@ -79,19 +81,33 @@ def packed_sdpa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     boundaries, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    dtype = _flash_dtype(query)
     plain = (
         boundaries is None
+        or dtype is None
         or query.shape[0] != 1
         or query.shape[2] != key.shape[2]  # a KV cache
+        or query.shape[-1] > 256
         or dropout
+        or not getattr(module, "is_causal", True)  # an encoder's attention
+        or kwargs.get("is_causal") is False
         or getattr(module, "sliding_window", None)
-        or kwargs.get("softcap") is not None
+        or any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux"))
     )
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (tokens, heads, dim)
     out = _varlen_causal(q, k, v, boundaries, longest, scaling)
     return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
+
+
+def _flash_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype flash attention runs this call in: autocast's, else the query's; ``None`` when that is
+    no 16-bit float (float32 weights without autocast: sdpa then). Under autocast the rotary embedding
+    can leave q and k in float32 beside a 16-bit v, which sdpa's autocast rule would have unified."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 # What this torch's varlen_attn takes: causality as a window (torch 2.11) or a flag, and whether it
@@ -137,9 +153,15 @@ def register() -> bool:
 
 def use_packed_attention(model: nn.Module) -> bool:
     """Switch ``model`` (and its sub-models) from ``sdpa`` to :data:`ATTENTION`; ``False`` (nothing
-    changed) where it attends otherwise or the attention cannot be registered."""
+    changed) where it attends otherwise, is an encoder-decoder, or the attention cannot be registered.
+    Attention that is not causal, or that takes more than a mask (a bias, sinks, a soft cap, a window),
+    stays sdpa call by call."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not register():
+    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(
+        config, "is_encoder_decoder", False
+    ):
+        return False
+    if not register():
         return False
     model.set_attn_implementation(ATTENTION)
     return True
@@ -151,7 +173,7 @@ def boundaries_for(kwargs: dict[str, Any]) -> dict[str, Any]:
     position_ids = kwargs.get("position_ids")
     if position_ids is None or kwargs.get("attention_mask") is not None or not position_ids.is_cuda:
         return {}
-    if kwargs.get("past_key_values") is not None or kwargs.get("cu_seq_lens_q") is not None:
+    if given_kv_cache(kwargs) or kwargs.get("cu_seq_lens_q") is not None:
         return {}
     found = packed_boundaries(position_ids)
     if found is None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_fp8.autocast import fp8_forced
+from hf_fp8.autocast import fp8_forced, in_generation
 from hf_fp8.formats import FP8_ALIGNMENT
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
 from hf_fp8.layers.fsdp import gathered_shard, plain_weight, release_weight
@@ -34,14 +34,15 @@ from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["PLAIN_BELOW_ROWS", "Fp8Conv1D", "Fp8Linear", "Fp8Module"]
 
-# A forward without gradient in training mode (generation inside RL trainers, a reference pass) over
-# fewer rows than this runs the plain layer when the weight is kept in high precision. Without a
-# gradient there is no weight-gradient GEMM to share the weight's cast with: each call casts the whole
-# weight (read 2 bytes a value, write 1) for one GEMM. Measured on one H200 (benchmarks/RESULTS.md,
-# `linear_bench.py --no-grad-rows`), eager FP8 forwards ran 0.03-0.05x the plain BF16 layer at 8 to 256
-# rows and 0.18-0.46x at 4096, at every Llama-3 shape. Where FP8 was asked for explicitly
-# (``use_during_eval`` in eval mode, ``fp8_autocast(enabled=True)``) it runs; weights stored (or
-# gathered) in FP8 run in FP8 at any row count, the cheaper read for them.
+# A generation step in training mode (RL trainers generate with the model they train: a forward without
+# gradient given a KV cache) over fewer rows than this runs the plain layer when the weight is kept in
+# high precision. Without a gradient there is no weight-gradient GEMM to share the weight's cast with:
+# each call casts the whole weight (read 2 bytes a value, write 1) for one GEMM. Measured on one H200
+# (benchmarks/RESULTS.md, `linear_bench.py --no-grad-rows`), eager FP8 forwards ran 0.03-0.05x the plain
+# BF16 layer at 8 to 256 rows and 0.18-0.46x at 4096, at every Llama-3 shape. Other forwards without
+# gradient (a reference or log-prob pass) stay in FP8, as the training forward they are compared with.
+# Where FP8 was asked for explicitly (``use_during_eval`` in eval mode, ``fp8_autocast(enabled=True)``)
+# it runs; weights stored (or gathered) in FP8 run in FP8 at any row count, the cheaper read for them.
 PLAIN_BELOW_ROWS = 4096
 
 
@@ -160,10 +161,10 @@ class Fp8Module(Fp8Scaled):
             destination[prefix + "weight"] = self.dequantized_weight(torch.device("cpu"))
 
     def plain_is_faster(self, x: torch.Tensor) -> bool:
-        """Whether this forward runs the plain layer because it is faster there: training mode without
-        gradient, fewer rows than :data:`PLAIN_BELOW_ROWS`, a weight in high precision, and FP8 not
+        """Whether this forward runs the plain layer because it is faster there: a generation step in
+        training mode, fewer rows than :data:`PLAIN_BELOW_ROWS`, a weight in high precision, and FP8 not
         forced by :func:`hf_fp8.fp8_autocast` (see there)."""
-        if not self.training or torch.is_grad_enabled() or self.weight_in_fp8:
+        if not self.training or torch.is_grad_enabled() or not in_generation() or self.weight_in_fp8:
             return False
         if isinstance(self.weight, Fp8GatheredWeight):
             return False

@@ -2,7 +2,9 @@
 of the model's class or ``forward`` is replaced; :func:`install` returns the handles).
 
 Before the forward, in FP8: enter the backend's forward context (``te.autocast`` for Transformer
-Engine) and end a step still pending. Under nn.DataParallel the hooks run for each GPU's replica of the
+Engine), end a step still pending, and mark a forward without gradient that is given a KV cache as a
+generation step (FP8 layers may run plain there, see ``Fp8Linear.plain_is_faster``). Under
+nn.DataParallel the hooks run for each GPU's replica of the
 model, in a thread each: the backend then learns of each replica (or refuses to run there, with the
 reason). After the forward, always: leave that context (so the backward runs outside it), and start
 the FP8 step (see :mod:`hf_fp8.patching.step`).
@@ -21,13 +23,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hf_fp8.autocast import fp8_active
+from hf_fp8.autocast import fp8_active, generating
 from hf_fp8.backends.base import data_parallel_refusal
 from hf_fp8.numerics.amax_sync import default_amax_group
 from hf_fp8.patching.patch_state import ForwardCall, PatchState, get_state
 from hf_fp8.patching.step import end_step, start_step
 
-__all__ = ["install"]
+__all__ = ["given_kv_cache", "install"]
+
+# What transformers calls a forward's KV cache (``cache`` from transformers 5.24 on).
+_CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 
 def install(model: nn.Module) -> list[RemovableHandle]:
@@ -52,10 +57,18 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     state.backend.before_forward(model)
     if not call.fp8:
         return
+    if not torch.is_grad_enabled() and given_kv_cache(kwargs):
+        call.generation = generating()
+        call.generation.__enter__()
     if model.training and state.end_at_next_forward:  # a step whose end could not be hooked
         end_step(state)
     if replica and model.training and torch.is_grad_enabled():
         state.backend.track_replica(model)
+
+
+def given_kv_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a forward's keyword arguments hand it a KV cache (generation, incremental decoding)."""
+    return any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS)
 
 
 def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
@@ -65,5 +78,7 @@ def _after_forward(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) ->
         return
     if call.context is not None:
         call.context.__exit__(None, None, None)
+    if call.generation is not None:
+        call.generation.__exit__(None, None, None)
     if call.fp8 and model.training and torch.is_grad_enabled():
         start_step(state, outputs)

@@ -24,10 +24,12 @@ _ATTR = "_hf_fp8_state"
 
 @dataclass
 class ForwardCall:
-    """One forward in flight: whether FP8 runs, and the backend context it entered."""
+    """One forward in flight: whether FP8 runs, the backend context it entered, and the generation mark
+    it entered (a forward without gradient given a KV cache; see ``hf_fp8.autocast.generating``)."""
 
     fp8: bool
     context: contextlib.AbstractContextManager | None = None
+    generation: contextlib.AbstractContextManager | None = None
 
 
 @dataclass(eq=False)  # compared and hashed by identity (a weak set of live states holds them)

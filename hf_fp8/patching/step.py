@@ -70,6 +70,7 @@ def start_step(state: PatchState, outputs: Any) -> None:
     them has finished (or at the next training forward, when no output needs a gradient). Whatever
     the caller backpropagates through, the optimizer step ends it (see :func:`watch_optimizer_steps`)."""
     state.step_pending = True
+    watch_optimizer_steps(state)  # a deep copy of a patched model carries a state of its own
     tensor = _first_tensor_needing_grad(outputs)
     if tensor is None:
         state.end_at_next_forward = True
@@ -81,24 +82,29 @@ def start_step(state: PatchState, outputs: Any) -> None:
     tensor.register_hook(backward_reached)
 
 
-# The patch states of live patched models, for the optimizer step pre-hook.
-_watched: weakref.WeakSet[PatchState] = weakref.WeakSet()
+# The patch states of live patched models, for the optimizer step pre-hook, in the order they were
+# first watched: every rank of a data-parallel run then ends its models' steps (each an all-reduce) in
+# the same order.
+_watched: weakref.WeakKeyDictionary[PatchState, None] = weakref.WeakKeyDictionary()
 _optimizer_hook: list[Any] = []
 
 
 def watch_optimizer_steps(state: PatchState) -> None:
     """End ``state``'s pending step before any optimizer steps (``torch.optim``'s global step pre-hook,
     registered once for all patched models; a model that is unpatched or freed leaves the watch)."""
-    _watched.add(state)
+    if state in _watched:
+        return
+    _watched[state] = None
     if not _optimizer_hook:
         _optimizer_hook.append(register_optimizer_step_pre_hook(_end_pending_steps))
 
 
 def unwatch_optimizer_steps(state: PatchState) -> None:
     """``state``'s model is unpatched: its steps no longer end at optimizer steps."""
-    _watched.discard(state)
+    _watched.pop(state, None)
 
 
+@torch._dynamo.disable  # a compiled optimizer step runs it eagerly
 def _end_pending_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     for state in list(_watched):
         if state.step_pending:

@@ -9,6 +9,7 @@ import tiny_models as tm
 import torch
 
 import hf_fp8
+from hf_fp8.integrations import packed_attention
 from hf_fp8.integrations.packed_attention import (
     ATTENTION,
     boundaries_for,
@@ -57,21 +58,30 @@ def test_compile_switches_sdpa_models_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_packed_row_trains_as_with_sdpas_block_diagonal_mask(fp8):
-    """A packed row through hf_fp8.compile (variable-length flash attention) against the same model on
-    sdpa with transformers' block-diagonal mask: the loss, and the gradients' direction."""
+def test_gpu_packed_row_trains_as_with_sdpas_block_diagonal_mask(fp8, monkeypatch):
+    """A packed row through hf_fp8.compile (variable-length flash attention, seen to run) against the same
+    model on sdpa with transformers' block-diagonal mask: the loss, and the gradients' direction. 1,029
+    tokens: the FP8 layers pad their own GEMM rows."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return varlen(*args, **kwargs)
+
+    varlen = packed_attention._varlen_causal
+    monkeypatch.setattr(packed_attention, "_varlen_causal", counted)
     model = tm.build("llama", dtype=torch.bfloat16).cuda()
     reference = tm.build("llama", dtype=torch.bfloat16).cuda()
     if fp8:
         hf_fp8.patch_model(model)
         hf_fp8.patch_model(reference)
     hf_fp8.compile(model)
-    lengths = (300, 500, 224)
+    lengths = (300, 500, 229)
     ids = torch.randint(4, 256, (1, sum(lengths)), device="cuda")
     arguments = dict(
         input_ids=ids, labels=ids, position_ids=packed_positions(lengths, "cuda"), use_cache=False
     )
-    assert boundaries_for(arguments)["cu_seq_lens_q"].tolist() == [0, 300, 800, 1024]
+    assert boundaries_for(arguments)["cu_seq_lens_q"].tolist() == [0, 300, 800, 1029]
     for _ in range(2):  # the first step compiles
         model.zero_grad()
         reference.zero_grad()
@@ -79,6 +89,7 @@ def test_gpu_packed_row_trains_as_with_sdpas_block_diagonal_mask(fp8):
         loss.backward()
         expected = reference(**arguments).loss
         expected.backward()
+    assert calls and all(shape[0] == sum(lengths) for shape in calls), "the packed row's attention ran"
     assert loss.item() == pytest.approx(expected.item(), rel=0.01)
     grads = [torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (model, reference)]
     assert torch.nn.functional.cosine_similarity(*grads, dim=0) > 0.99

@@ -123,6 +123,19 @@ def test_sft_trains_in_fp8(case, tmp_path):
     assert_trains_as_unpatched(*runs)
 
 
+def test_accumulated_micro_batches_are_one_fp8_step_under_the_fused_head(tmp_path):
+    """Gradient accumulation with TRL's fused head (its loss comes from per-token log-probs, not the
+    model's returned loss): the step ends at the optimizer step, once for all micro-batches."""
+    runs = ts.with_and_without_fp8(
+        trl.SFTTrainer,
+        trl.SFTConfig,
+        tmp_path,
+        train_dataset=ts.text_rows(),
+        config={"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+    )
+    assert_trains_as_unpatched(*runs)
+
+
 def test_sft_lora_over_fp8_weights(tmp_path):
     """LoRA through ``peft_config`` over base weights stored in FP8 (``lora-fp8``): the adapters train."""
     from peft import LoraConfig

@@ -107,7 +107,7 @@ def rows_padded(te_class: type) -> type:
             out = super().forward(flat, *args, **kwargs)
             return out[:rows].reshape(*inp.shape[:-1], out.shape[-1])
 
-    RowsPadded.__name__ = RowsPadded.__qualname__ = f"RowsPadded{te_class.__name__}"
+    RowsPadded.__name__ = RowsPadded.__qualname__ = f"Te{te_class.__name__}"  # TeLinear, TeLayerNormMLP, ...
     return RowsPadded
 
 
