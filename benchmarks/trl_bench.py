@@ -84,44 +84,42 @@ def model_for(args: argparse.Namespace):
     return model
 
 
-class StepTimes:
-    """A TrainerCallback (built lazily: transformers is imported by the row) recording each optimizer
-    step's wall time, the device synchronized at both ends; with ``profile_after`` it also profiles
-    the two steps after that many and keeps where their GPU time went (``gpu_ms``)."""
+def step_timer(device: str, profile_after: int | None = None):
+    """A TrainerCallback recording each optimizer step's wall time, the device synchronized at both
+    ends; with ``profile_after`` it also profiles the two steps after that many and keeps where their
+    GPU time went (``gpu_ms``). Built here: transformers is imported by the row, not the driver."""
+    import torch
+    from transformers import TrainerCallback
 
-    def __new__(cls, device: str, profile_after: int | None = None):
-        import torch
-        from transformers import TrainerCallback
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._begin = 0.0
+            self._profiler = None
+            self.gpu_ms: dict | None = None
 
-        class Timer(TrainerCallback):
-            def __init__(self) -> None:
-                self.times: list[float] = []
-                self._begin = 0.0
+        def on_step_begin(self, *a, **k):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if profile_after is not None and len(self.times) == profile_after:
+                from torch.profiler import ProfilerActivity, profile
+
+                self._profiler = profile(activities=[ProfilerActivity.CUDA])
+                self._profiler.__enter__()
+            self._begin = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._begin)
+            if self._profiler is not None and len(self.times) == profile_after + 2:
+                from harness import kernel_time_by_kind
+
+                self._profiler.__exit__(None, None, None)
+                self.gpu_ms = kernel_time_by_kind(self._profiler, 2, top=15)
                 self._profiler = None
-                self.gpu_ms: dict | None = None
 
-            def on_step_begin(self, *a, **k):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                if profile_after is not None and len(self.times) == profile_after:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    self._profiler = profile(activities=[ProfilerActivity.CUDA])
-                    self._profiler.__enter__()
-                self._begin = time.perf_counter()
-
-            def on_step_end(self, *a, **k):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                self.times.append(time.perf_counter() - self._begin)
-                if self._profiler is not None and len(self.times) == profile_after + 2:
-                    from harness import kernel_time_by_kind
-
-                    self._profiler.__exit__(None, None, None)
-                    self.gpu_ms = kernel_time_by_kind(self._profiler, 2, top=15)
-                    self._profiler = None
-
-        return Timer()
+    return StepTimes()
 
 
 def trainer_row(mode: str, args: argparse.Namespace) -> dict:
@@ -150,7 +148,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         disable_tqdm=True,
         seed=0,
     )
-    timer = StepTimes(args.device, args.warmup if args.profile else None)
+    timer = step_timer(args.device, args.warmup if args.profile else None)
     callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback()] if fp8 else [])
     model, tokenizer = model_for(args), byte_tokenizer()
     if precision == "bf16-hfcompile":
@@ -166,12 +164,12 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
             callbacks=callbacks,
         )
     elif task == "dpo":
-        third = args.seq // 4
+        quarter = args.seq // 4  # prompt and answer: half the max length
         rows = [
             {
-                "prompt": sentences(rng, third),
-                "chosen": sentences(rng, third),
-                "rejected": sentences(rng, third),
+                "prompt": sentences(rng, quarter),
+                "chosen": sentences(rng, quarter),
+                "rejected": sentences(rng, quarter),
             }
             for _ in range(steps * args.batch + 8)
         ]

@@ -296,11 +296,16 @@ def _compiles(asked: bool | None, args: Any, model: nn.Module) -> bool:
     ``compile=True`` opts in, as the model is compiled before it is sharded)."""
     if asked is not None:
         return asked
-    sharded = getattr(args, "fsdp", None) or getattr(args, "deepspeed", None) or zero_stage() is not None
+    sharded = getattr(args, "fsdp", None) or _under_deepspeed(args)
     if getattr(args, "torch_compile", False) or sharded or not get_state(model).backend.compiles:
         return False
     device = getattr(args, "device", None) or next(model.parameters()).device
     return device.type == "cuda" and gpu_has_fp8(device)
+
+
+def _under_deepspeed(args: Any) -> bool:
+    """Whether the Trainer runs under DeepSpeed: given a config, or ZeRO set up by its launcher."""
+    return bool(getattr(args, "deepspeed", None)) or zero_stage() is not None
 
 
 def _data_parallel(args: Any) -> bool:
@@ -324,7 +329,7 @@ def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     stage too and chooses (or refuses) the backend for it."""
     if getattr(args, "fsdp", None):
         return backend_for_fsdp(backend)
-    if getattr(args, "deepspeed", None) or zero_stage() is not None:
+    if _under_deepspeed(args):
         return backend
     if _data_parallel(args):
         return backend_for_data_parallel(backend)

@@ -32,7 +32,7 @@ class ForwardCall:
     generation: contextlib.AbstractContextManager | None = None
 
 
-@dataclass(eq=False)  # compared and hashed by identity (a weak set of live states holds them)
+@dataclass(eq=False)  # compared and hashed by identity (step.py keeps live states as weak keys)
 class PatchState:
     recipe: Fp8Recipe
     backend: Fp8Backend
