@@ -15,6 +15,14 @@ It works in any training loop::
 ``skip_step`` (drop the step's gradients and roll the FP8 scaling state back to before the step),
 ``increase_margin`` (the same, and one more binade of headroom from then on). Skipping raises after
 ``max_consecutive_skips`` non-finite steps in a row: the cause is then not transient.
+
+Given the optimizer (``Fp8NanGuard(model, optimizer=optimizer)``; the Trainer callback gives it), the
+``raise`` policy does not wait for the device each step. When the optimizer can skip a step on the device
+(PyTorch's fused Adam, AdamW, SGD and Adagrad read a ``found_inf`` flag, as ``GradScaler`` uses them),
+:meth:`Fp8NanGuard.check` hands it the step's flag and returns at once; the weights are left as they
+were by a non-finite step, and the error is raised one step later, or by :meth:`Fp8NanGuard.flush` (at
+the end of training, before a checkpoint). The skipping policies must know before the optimizer steps,
+and so wait for the device, as do optimizers without the flag.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.checks import check_model
@@ -47,7 +56,12 @@ class Fp8NanGuard:
             non-finite steps in a row.
     """
 
-    def __init__(self, model: nn.Module, max_consecutive_skips: int = 10) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_consecutive_skips: int = 10,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         patched = patched_module(check_model(model, "Fp8NanGuard"))
         if patched is None:
             raise ValueError("Fp8NanGuard needs a patched model: call hf_fp8.patch_model(model) first")
@@ -56,6 +70,7 @@ class Fp8NanGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self._consecutive_skips = 0
+        self._handed = False
         self._losses: list[torch.Tensor] = []
         self._snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
         stage = zero_stage(patched)
@@ -64,6 +79,31 @@ class Fp8NanGuard:
             raise ValueError(f"hf_fp8: {refusal}")  # a model patched before DeepSpeed showed
         self._take_snapshot()
         self._hook = model.register_forward_hook(self._watch_loss)
+        self._optimizer_hooks: list[Any] = []
+        self._skip_flag: torch.Tensor | None = None  # for the optimizer's next step
+        self._in_flight: tuple[torch.Tensor, torch.cuda.Event | None, int | None] | None = None
+        if optimizer is not None:
+            self.use_optimizer(optimizer)
+
+    @property
+    def waits_for_device(self) -> bool:
+        """Whether :meth:`check` waits for the device (see the module docstring)."""
+        return not self._optimizer_hooks or self.recipe.nan_policy != "raise"
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        """Let the optimizer skip a non-finite step on the device, so that :meth:`check` need not wait
+        for it (``raise`` policy); an optimizer that cannot (not fused, DeepSpeed's, sharded parameters)
+        leaves :meth:`check` waiting. ``optimizer`` may be Accelerate's wrapper of one."""
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        if self._under_deepspeed or not _skips_on_device(inner):
+            return
+        self._optimizer_hooks = [
+            inner.register_step_pre_hook(self._hand_skip_flag),
+            inner.register_step_post_hook(self._take_skip_flag_back),
+        ]
 
     @property
     def recipe(self):
@@ -81,11 +121,20 @@ class Fp8NanGuard:
         Otherwise, under ``raise`` a ``FloatingPointError`` names what was non-finite (and where);
         under the skipping policies the gradients are dropped (the optimizer leaves parameters without
         gradients alone), the FP8 scaling state rolls back to before the step, a warning says so, and
-        ``False`` is returned. ``step`` only labels the messages.
+        ``False`` is returned. ``step`` only labels the messages. When the check does not wait for the
+        device (``raise`` with an optimizer that skips on the device, see the module docstring), it
+        returns ``True`` and raises for a non-finite step at the next check or :meth:`flush`.
         """
         end_pending_step(self._patched)  # the state checked is the step boundary's
-        problem = self._find_non_finite()
+        flags = self._non_finite_flags()
         self._losses.clear()
+        if not self.waits_for_device:
+            self._skip_flag = flags.amax().float()
+            previous, self._in_flight = self._in_flight, (*_to_host(flags), step)
+            if previous is not None:
+                self._raise_if_non_finite(*previous)
+            return True
+        problem = self._describe(flags.tolist())
         if problem is None:
             self._consecutive_skips = 0
             self._take_snapshot()
@@ -122,9 +171,49 @@ class Fp8NanGuard:
         self._take_snapshot()
         return False
 
+    def flush(self) -> None:
+        """Raise now for a non-finite step whose check did not wait for the device (the last one)."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._raise_if_non_finite(*previous)
+
     def remove(self) -> None:
-        """Stop watching the model's loss."""
+        """Stop watching the model's loss and the optimizer's steps."""
         self._hook.remove()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
+
+    def _raise_if_non_finite(
+        self, flags: torch.Tensor, ready: torch.cuda.Event | None, step: int | None
+    ) -> None:
+        if ready is not None:
+            ready.synchronize()
+        problem = self._describe(flags.tolist())
+        if problem is None:
+            return
+        where = f"step {step}: {problem}" if step is not None else problem
+        raise FloatingPointError(
+            f"hf_fp8: {where}. The optimizer skipped that step, so the weights are not updated by it (the "
+            "check did not wait for the device: this error comes a step later). Set nan_policy: skip_step "
+            "or increase_margin in the recipe to go on past such steps"
+        )
+
+    def _hand_skip_flag(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Before the optimizer steps: its ``found_inf``, or-ed with one a ``GradScaler`` set."""
+        if self._skip_flag is None:
+            return
+        theirs = getattr(optimizer, "found_inf", None)
+        flag = self._skip_flag.to(theirs.device) if theirs is not None else self._skip_flag
+        optimizer.found_inf = torch.maximum(theirs, flag) if theirs is not None else flag
+        self._handed = theirs is None
+
+    def _take_skip_flag_back(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._skip_flag is None:
+            return
+        if self._handed:  # a GradScaler removes its own
+            del optimizer.found_inf
+        self._skip_flag = None
 
     def _take_snapshot(self) -> None:
         self._snapshot = scaling_snapshot(self.model) if self.recipe.nan_policy != "raise" else []
@@ -141,17 +230,15 @@ class Fp8NanGuard:
             self._losses.append(loss.detach())
 
     @torch.no_grad()
-    def _find_non_finite(self) -> str | None:
-        """What is non-finite in this step (loss, gradients, amaxes per layer and role), or ``None``.
-        One host sync, and one all-reduce of the flags when distributed, so that every rank sees what
-        any rank saw and all take the same decision."""
+    def _non_finite_flags(self) -> torch.Tensor:
+        """On the device, 1 where this step is non-finite: ``[loss, gradients, *amaxes per layer and
+        role]``. Reduced over the ranks when distributed (one all-reduce), so that every rank sees what
+        any rank saw and all take the same decision. Nothing here waits for the device."""
         model = self.model
         device = next(model.parameters()).device
         # under FSDP2 each rank checks its own shards (the flags are reduced below)
         grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
-        layers = list(fp8_layers(model))
-        roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
-        histories = [r.amax_history for layer in layers for r in layer.roles.values()]
+        histories = [r.amax_history for layer in fp8_layers(model) for r in layer.roles.values()]
         finite = torch.tensor(True, device=device)
         losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
         loss_ok = torch.stack(losses).isfinite().all() if losses else finite
@@ -166,9 +253,15 @@ class Fp8NanGuard:
         group = default_amax_group()
         if group is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        loss_bad, grad_bad, *amax_bad = bad.tolist()
+        return bad
+
+    def _describe(self, flags: list[int]) -> str | None:
+        """What :meth:`_non_finite_flags` found, in words, or ``None`` when everything was finite."""
+        loss_bad, grad_bad, *amax_bad = flags
         if not (loss_bad or grad_bad or any(amax_bad)):
             return None
+        layers = list(fp8_layers(self.model))
+        roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
         parts = []
         if any(amax_bad):
             parts.append(_first_non_finite_amax([r for r, b in zip(roles, amax_bad, strict=True) if b]))
@@ -178,6 +271,28 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
+
+
+def _skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` skips a step on the device when handed ``found_inf`` (PyTorch's fused
+    optimizers); not over sharded (DTensor) parameters, where the flag would be a plain tensor."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or not optimizer.defaults.get("fused"):
+        return False
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return not any(isinstance(p, DTensor) for p in params)
+
+
+def _to_host(flags: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``flags`` to the host; the event says when the copy is there (``None``: it is)."""
+    if not flags.is_cuda:
+        return flags.clone(), None
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _first_non_finite_amax(bad: list[tuple[str, str, str]]) -> str:

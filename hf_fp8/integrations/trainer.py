@@ -36,9 +36,9 @@ from hf_fp8.backends.base import data_parallel_refusal
 from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
 from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
-from hf_fp8.integrations.compiled import compile_model
+from hf_fp8.integrations.compiled import compile_model, compiles_by_default
 from hf_fp8.integrations.guard import Fp8NanGuard
-from hf_fp8.integrations.telemetry import Fp8Telemetry
+from hf_fp8.integrations.telemetry import Fp8Telemetry, StagedLogs
 from hf_fp8.patching.patch import is_patched, patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
@@ -60,9 +60,10 @@ class Fp8TrainerCallback(TrainerCallback):
         max_consecutive_skips: under ``skip_step`` / ``increase_margin``, raise after this many
             non-finite steps in a row (the cause is then not transient).
         compile: compile the patched model block by block with :func:`hf_fp8.compile`. ``None``
-            (default): when it trains on a GPU with FP8 and the Trainer does not compile it itself
-            (``TrainingArguments(torch_compile=True)`` compiles the whole model instead) nor shards it
-            (FSDP, DeepSpeed: ``compile=True`` compiles before sharding). The CPU stays eager: compiling
+            (default): when it trains on a GPU with FP8 and the Trainer does not shard it (FSDP,
+            DeepSpeed: ``compile=True`` compiles before sharding). ``TrainingArguments(torch_compile=True)``
+            then means this compilation: the Trainer's whole-model ``torch.compile`` finds the blocks
+            compiled and traces only the few operations between them. The CPU stays eager: compiling
             costs minutes there and buys no FP8 speed.
     """
 
@@ -88,7 +89,8 @@ class Fp8TrainerCallback(TrainerCallback):
         self._model: nn.Module | None = None
         self._telemetry: Fp8Telemetry | None = None
         self._guard: Fp8NanGuard | None = None
-        self._pending_logs: dict[str, Any] = {}
+        self._pending_logs: tuple[StagedLogs, dict[str, Any]] | None = None
+        self._logging = False  # whether the step under way will be logged
         # Where Fp8Trainer.train was told to resume from (a plain Trainer does not tell callbacks).
         self.resume_from: str | None = None
         if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
@@ -111,9 +113,13 @@ class Fp8TrainerCallback(TrainerCallback):
             return
         self._set_up(model, args)
 
-    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+    def on_train_begin(
+        self, args, state, control, model: nn.Module | None = None, optimizer: Any = None, **kwargs
+    ) -> None:
         if model is not None and model is not self._model:  # built by model_init (hyperparameter search)
             self._set_up(model, args)
+        if self._guard is not None and optimizer is not None:
+            self._guard.use_optimizer(optimizer)  # a fused optimizer skips non-finite steps on the GPU
         if self._telemetry is None or state.global_step == 0:
             return
         searched = _resume_candidates(args, state.global_step, self.resume_from)
@@ -173,7 +179,10 @@ class Fp8TrainerCallback(TrainerCallback):
         if self._telemetry is None:
             return
         self._guard.begin_step()
-        if _log_due(args, state):
+        self._logging = _log_due(args, state)
+        # The first step's casts are not counted: it scales each tensor by its own amax (no history
+        # yet), and under hf_fp8.compile counting it would compile its graph once more.
+        if self._logging and state.global_step > 0:
             self._telemetry.arm()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
@@ -186,19 +195,22 @@ class Fp8TrainerCallback(TrainerCallback):
             end_pending_step(self._model)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if self._telemetry is None or not self._telemetry.armed:
+        if self._telemetry is None or not self._logging:
             return
-        logs = self._telemetry.collect()
-        logs["fp8/skipped_steps"] = self.skipped_steps
-        logs["fp8/margin"] = self.recipe.margin
+        # Staged, not read: the numbers reach the host while the Trainer reads its loss, and are read
+        # when the log is written, so the telemetry adds no wait for the device.
+        staged = self._telemetry.stage()
+        extra = {"fp8/skipped_steps": self.skipped_steps, "fp8/margin": self.recipe.margin}
         # By steps, the log comes right after this step or not at all; by epoch, it takes the newest.
         if control.should_log or _logging_strategy(args) != "steps":
-            self._pending_logs = logs
+            self._pending_logs = (staged, extra)
 
     def pop_telemetry(self) -> dict[str, Any]:
         """The telemetry of the step about to be logged (once)."""
-        logs, self._pending_logs = self._pending_logs, {}
-        return logs
+        if self._pending_logs is None:
+            return {}
+        (staged, extra), self._pending_logs = self._pending_logs, None
+        return {**staged.read(), **extra}
 
     def on_log(self, args, state, control, logs: dict | None = None, **kwargs) -> None:
         telemetry = self.pop_telemetry()
@@ -208,7 +220,13 @@ class Fp8TrainerCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(telemetry)
 
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        if self._guard is not None:
+            self._guard.flush()
+
     def on_save(self, args, state, control, **kwargs) -> None:
+        if self._guard is not None:
+            self._guard.flush()  # no checkpoint of a run that went non-finite
         if self._telemetry is None or not args.should_save:
             return
         folder = _saved_checkpoint(args, state.global_step)
@@ -291,16 +309,13 @@ def _check_arguments(args: Any, model: nn.Module) -> None:
 
 
 def _compiles(asked: bool | None, args: Any, model: nn.Module) -> bool:
-    """Whether the callback compiles the patched model: as asked, else on an FP8 GPU with a backend that
-    compiles, unless the Trainer compiles the whole model itself or shards it (FSDP, DeepSpeed: there
-    ``compile=True`` opts in, as the model is compiled before it is sharded)."""
+    """Whether the callback compiles the patched model: as asked, else by :func:`compiles_by_default` on
+    the device the Trainer trains on, sharded under FSDP and DeepSpeed."""
     if asked is not None:
         return asked
-    sharded = getattr(args, "fsdp", None) or _under_deepspeed(args)
-    if getattr(args, "torch_compile", False) or sharded or not get_state(model).backend.compiles:
-        return False
+    sharded = bool(getattr(args, "fsdp", None)) or _under_deepspeed(args)
     device = getattr(args, "device", None) or next(model.parameters()).device
-    return device.type == "cuda" and gpu_has_fp8(device)
+    return compiles_by_default(model, device, sharded)
 
 
 def _under_deepspeed(args: Any) -> bool:

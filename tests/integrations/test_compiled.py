@@ -103,6 +103,29 @@ def test_telemetry_counts_a_compiled_steps_casts_as_it_counts_an_eager_ones():
     assert 0 < logs[0]["fp8/flushed_fwd"] < 1 and 0 < logs[0]["fp8/saturated_bwd"] < 1
 
 
+def test_telemetry_samples_whole_blocks_so_counting_compiles_one_graph_more():
+    """Sampled layers scattered over the blocks made a counting graph per pattern of sampled layers (up
+    to the recompile limit, past which blocks ran eagerly); whole blocks make one."""
+    torch._dynamo.reset()
+    model = llama(layers=4)
+    hf_fp8.patch_model(model)
+    telemetry = hf_fp8.Fp8Telemetry(model, sample_layers=10)  # 7 FP8 layers a block: two blocks
+    names = {name for name, _ in telemetry.sampled}
+    layers = [f"model.layers.{i}.{p}" for i in (0, 3) for p in ("self_attn.q_proj", "self_attn.k_proj")]
+    assert len(names) == 14 and set(layers) <= names, sorted(names)
+    hf_fp8.compile(model, backend="aot_eager")
+    train(model, steps=2)
+    telemetry.arm()
+    train(model, steps=1, first_seed=2)  # compiles the counting block once
+    telemetry.collect()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        telemetry.arm()
+        train(model, steps=1, first_seed=3)
+        logs = telemetry.stage().read()
+        train(model, steps=1, first_seed=4)  # not counting: the graph of the blocks not sampled
+    assert logs["fp8/amax_bwd"] > 0 and "fp8/flushed_fwd" in logs
+
+
 def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing():
     torch._dynamo.reset()
     model = llama(layers=2)

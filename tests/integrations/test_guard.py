@@ -18,9 +18,10 @@ def poison(module, args):
     return (x,)
 
 
-def loop(model, guard, steps: int, poisoned_step: int, layer) -> list[bool]:
+def loop(model, guard, steps: int, poisoned_step: int, layer, optimizer=None) -> list[bool]:
     """Train ``steps`` steps, a NaN put into ``layer``'s input at ``poisoned_step``; what check said."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     results = []
     for step in range(steps):
         handle = layer.register_forward_pre_hook(poison) if step == poisoned_step else None
@@ -47,6 +48,48 @@ def test_raise_names_the_layer_before_the_weights_change():
         loop(model, guard, steps=2, poisoned_step=0, layer=model.get_submodule(LAYER))
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_with_a_fused_optimizer_the_check_waits_for_nothing_and_the_optimizer_skips_the_step():
+    """Handed the optimizer, ``raise`` does not read the flags at once: the fused optimizer skips the
+    non-finite step itself (found_inf), and the next check raises, naming the step and the layer."""
+    model = tm.build("llama")
+    patch_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Fp8NanGuard(model, optimizer=optimizer)
+    assert not guard.waits_for_device
+    weights: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_pre_hook(
+        lambda *_: weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    )
+    with pytest.raises(
+        FloatingPointError, match=rf"step 2: non-finite amax of input/grad_output in layer '{LAYER}'.*skipped"
+    ):
+        loop(model, guard, steps=4, poisoned_step=2, layer=model.get_submodule(LAYER), optimizer=optimizer)
+    assert len(weights) == 3, "raised at the check after the non-finite step, before the next update"
+    assert all(not torch.equal(weights[1][n], weights[2][n]) for n in ("model.layers.0.mlp.up_proj.weight",))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, weights[2][name]), f"{name} changed by the non-finite step"
+    assert all(optimizer.state[p]["step"].item() == 2 for p in model.parameters()), "the skip is undone"
+    assert not hasattr(optimizer, "found_inf"), "the flag is the optimizer's for one step only"
+
+
+def test_flush_raises_for_the_last_step_and_a_plain_optimizer_keeps_the_waiting_check():
+    model = tm.build("llama")
+    patch_model(model)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Fp8NanGuard(model, optimizer=fused)
+    assert loop(
+        model, guard, steps=2, poisoned_step=1, layer=model.get_submodule(LAYER), optimizer=fused
+    ) == [
+        True,
+        True,
+    ]
+    with pytest.raises(FloatingPointError, match="step 1: "):
+        guard.flush()
+    guard.flush()  # nothing left to report
+    guard.use_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))  # foreach, no found_inf
+    assert guard.waits_for_device
 
 
 @pytest.mark.parametrize("policy", ["skip_step", "increase_margin"])
