@@ -56,7 +56,7 @@ from hf_fp8.patching.forward_hooks import given_kv_cache
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.zero import gather_blocks_whole, zero_stage
 
-__all__ = ["compile_model"]
+__all__ = ["compile_model", "compiles_by_default"]
 
 _COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again changes nothing
 
@@ -121,6 +121,17 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             module.compile(**options)
     setattr(model, _COMPILED, True)
     return model
+
+
+def compiles_by_default(model: nn.Module, device: torch.device, sharded: bool) -> bool:
+    """The entry points' default (the Trainer callback, ``prepare_fp8``): compile a patched model whose
+    backend compiles when it trains on a GPU with FP8, unless it will be sharded (FSDP, DeepSpeed: the
+    caller opts in with ``compile=True``, as the model must be compiled before it is sharded). The CPU
+    stays eager: compiling costs minutes there and buys no FP8 speed."""
+    state = get_state(model)
+    if sharded or state is None or not state.backend.compiles:
+        return False
+    return device.type == "cuda" and gpu_has_fp8(device)
 
 
 def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[str, Any]) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.checks import check_model
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
+from hf_fp8.integrations.compiled import compile_model, compiles_by_default
 from hf_fp8.patching.patch import patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
@@ -27,8 +28,14 @@ def prepare_fp8(
     optimizer: torch.optim.Optimizer | None = None,
     recipe: Fp8Recipe | str | None = None,
     backend: str = "auto",
+    compile: bool | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None, PatchReport]:
-    """Patch ``model`` to FP8, then ``accelerator.prepare`` it (and ``optimizer``).
+    """Patch ``model`` to FP8, compile it block by block (:func:`hf_fp8.compile`), then
+    ``accelerator.prepare`` it (and ``optimizer``).
+
+    ``compile=None`` (default) compiles on a GPU with FP8 unless Accelerate shards the model (FSDP,
+    DeepSpeed: pass ``compile=True`` to compile before sharding); an Accelerate ``dynamo_backend`` then
+    finds the blocks compiled and traces only the few operations between them. The CPU stays eager.
 
     ``accelerator.save_state`` / ``load_state`` then also write and read the model's FP8 state
     (``fp8_state.safetensors`` next to the checkpoint; see :func:`keep_fp8_state_with_checkpoints`).
@@ -50,10 +57,19 @@ def prepare_fp8(
             "prepare_fp8: the Accelerator has mixed_precision='fp8' and would convert the model a second "
             "time; create it with mixed_precision='bf16' (hf-fp8 does the FP8 conversion)"
         )
-    if getattr(accelerator, "distributed_type", None) == "FSDP":
+    if compile not in (None, True, False):
+        raise TypeError(
+            f"prepare_fp8: compile must be True, False or None (compile on an FP8 GPU), got {compile!r}"
+        )
+    distributed = getattr(accelerator, "distributed_type", None)  # a str enum: equal to its value
+    if distributed == "FSDP":
         backend = backend_for_fsdp(backend)
     before = {id(p) for p in model.parameters()}
     report = patch_model(model, recipe, backend=backend)
+    sharded = distributed in ("FSDP", "DEEPSPEED")
+    if compile or (compile is None and compiles_by_default(model, torch.device(accelerator.device), sharded)):
+        compile_model(model)
+        report.notes.append("compiled block by block (hf_fp8.compile) by prepare_fp8")
     keep_fp8_state_with_checkpoints(accelerator, model)
     if optimizer is None:
         return accelerator.prepare(model), None, report

@@ -26,6 +26,20 @@ def test_prepare_fp8_patches_before_accelerate_and_keeps_the_optimizer():
     )
 
 
+def test_prepare_fp8_compiles_on_an_fp8_gpu_only_unless_told():
+    """The fast path is the default where it is fast (an FP8 GPU); the CPU stays eager unless asked."""
+    from hf_fp8.module_tree import repeated_blocks
+
+    eager, _, eager_report = prepare_fp8(Accelerator(cpu=True), tm.build("llama"))
+    assert all(b._compiled_call_impl is None for b in repeated_blocks(eager))
+    assert not any("compiled" in note for note in eager_report.notes)
+    compiled, _, report = prepare_fp8(Accelerator(cpu=True), tm.build("llama"), compile=True)
+    assert all(b._compiled_call_impl is not None for b in repeated_blocks(compiled))
+    assert "compiled block by block (hf_fp8.compile) by prepare_fp8" in report.notes
+    with pytest.raises(TypeError, match="compile must be True, False or None"):
+        prepare_fp8(Accelerator(cpu=True), tm.build("llama"), compile="yes")
+
+
 def test_prepare_fp8_leaves_parameters_that_are_not_the_models_alone():
     accelerator = Accelerator(cpu=True)
     model = tm.build("llama")
