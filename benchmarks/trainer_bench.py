@@ -1,0 +1,241 @@
+"""The front doors, each exactly as the README shows it, BF16 against FP8, each row a process of its own.
+
+    python benchmarks/trainer_bench.py --shape 8b-4l [--modes trainer-bf16,trainer-fp8,...]
+
+Rows:
+
+* ``trainer-*``: transformers' ``Trainer`` on rows of ``--seq`` tokens. ``-bf16`` trains the model as
+  loaded, ``-fp8`` adds ``callbacks=[hf_fp8.Fp8TrainerCallback()]`` and nothing else; ``-compile``
+  rows also set ``TrainingArguments(torch_compile=True)``.
+* ``loop-*``: a custom loop with Accelerate (``Accelerator(mixed_precision="bf16")``, fused AdamW);
+  ``-fp8`` prepares with ``hf_fp8.prepare_fp8`` and guards with ``hf_fp8.Fp8NanGuard(model,
+  optimizer=optimizer)``, ``-bf16-compile`` prepares a ``dynamo_backend="inductor"`` Accelerator.
+  Each step reads its loss (as a progress bar does).
+* ``sft-*``: TRL's ``SFTTrainer`` with packing (``trl_bench.py``'s rows).
+
+Trainer rows log every step (``logging_steps=1``, the worst case for host syncs). Each optimizer step is
+timed with the device synchronized at both ends (median after ``--warmup``); the warm-up is everything
+before the timed steps (building the Trainer, compiling, the first steps); ``graphs`` counts the graphs
+torch.compile made. Text is trl_bench's synthetic sentences through a byte-level tokenizer (no hub).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MODES = (
+    "trainer-bf16",
+    "trainer-bf16-compile",
+    "trainer-fp8",
+    "trainer-fp8-compile",
+    "loop-bf16",
+    "loop-bf16-compile",
+    "loop-fp8",
+    "sft-bf16",
+    "sft-bf16-compile",
+    "sft-fp8",
+)
+
+
+def token_rows(args: argparse.Namespace, count: int) -> list[dict]:
+    """``count`` causal-LM rows of ``--seq`` tokens of synthetic text, labels the inputs."""
+    from trl_bench import byte_tokenizer, sentences
+
+    tokenizer, rng = byte_tokenizer(), random.Random(0)
+    rows = []
+    for _ in range(count):
+        ids = tokenizer(sentences(rng, args.seq + 16))["input_ids"][: args.seq]
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def compiled_graphs() -> int:
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def trainer_row(mode: str, args: argparse.Namespace) -> dict:
+    from transformers import Trainer, TrainingArguments
+    from trl_bench import model_for, step_timer
+
+    import hf_fp8
+
+    steps = args.warmup + args.steps
+    start = time.perf_counter()
+    model = model_for(args)
+    training = TrainingArguments(
+        output_dir=str(Path(args.workdir) / mode),
+        max_steps=steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=1e-5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=args.device == "cuda",
+        use_cpu=args.device == "cpu",
+        torch_compile=mode.endswith("-compile"),
+        disable_tqdm=True,
+        seed=0,
+    )
+    timer = step_timer(args.device)
+    callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback()] if "fp8" in mode else [])
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=token_rows(args, steps * args.batch),
+        callbacks=callbacks,
+    )
+    trainer.train()
+    total_s = time.perf_counter() - start
+    timed = timer.times[args.warmup :]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return row(mode, args, statistics.median(timed), total_s - sum(timed), losses[-3:])
+
+
+def loop_row(mode: str, args: argparse.Namespace) -> dict:
+    import torch
+    from accelerate import Accelerator
+    from trl_bench import model_for
+
+    import hf_fp8
+
+    start = time.perf_counter()
+    accelerator = Accelerator(
+        mixed_precision="bf16" if args.device == "cuda" else "no",
+        cpu=args.device == "cpu",
+        dynamo_backend="inductor" if mode.endswith("-compile") else None,
+    )
+    model = model_for(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if "fp8" in mode:
+        model, optimizer, _ = hf_fp8.prepare_fp8(accelerator, model, optimizer)
+        guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+        guard = None
+    rows = token_rows(args, args.batch)
+    batch = torch.tensor([r["input_ids"] for r in rows], device=accelerator.device)
+    times, losses = [], []
+    model.train()
+    for _ in range(args.warmup + args.steps):
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        if guard is None or guard.check():
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    total_s = time.perf_counter() - start
+    timed = times[args.warmup :]
+    return row(mode, args, statistics.median(timed), total_s - sum(timed), losses[-3:])
+
+
+def row(mode: str, args: argparse.Namespace, step_s: float, warmup_s: float, last_losses: list) -> dict:
+    import torch
+
+    return {
+        "mode": mode,
+        "shape": args.shape,
+        "ms_per_step": step_s * 1e3,
+        "tokens_per_s": args.batch * args.seq / step_s,
+        "warmup_s": warmup_s,
+        "graphs": compiled_graphs(),
+        "final_loss": statistics.mean(last_losses),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
+    }
+
+
+def sft_row(mode: str, args: argparse.Namespace) -> dict:
+    import trl_bench
+
+    args.logging_steps, args.profile = 1, False
+    result = trl_bench.trainer_row(mode, args)
+    return {**result, "graphs": compiled_graphs()}
+
+
+def run_one(mode: str, args: argparse.Namespace) -> dict:
+    runner = {"trainer": trainer_row, "loop": loop_row, "sft": sft_row}[mode.split("-")[0]]
+    try:
+        return runner(mode, args)
+    except Exception as err:  # one broken row must not hide the others
+        import traceback
+
+        traceback.print_exc()
+        return {"mode": mode, "shape": args.shape, "error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def print_table(results: list[dict]) -> None:
+    """One table: tokens/s against the same front door's BF16 row and its BF16 + compile row."""
+    by_mode = {r["mode"]: r for r in results if "error" not in r}
+    print(
+        "\n| mode | tokens/s | vs BF16 | vs BF16 compiled | warm-up s | graphs | final loss | peak GiB |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    for r in results:
+        if "error" in r:
+            print(f"| {r['mode']} | error: {r['error'][:90]} |||||||")
+            continue
+        door = r["mode"].split("-")[0]
+        cells = []
+        for base in (by_mode.get(f"{door}-bf16"), by_mode.get(f"{door}-bf16-compile")):
+            cells.append(f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-")
+        print(
+            f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {cells[0]} | {cells[1]} | {r['warmup_s']:.1f} "
+            f"| {r['graphs']} | {r['final_loss']:.4f} | {r.get('peak_gib', 0):.1f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shape", default="8b-4l", help="a shape of benchmarks/harness.py (tiny: CPU smoke test)"
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--batch", type=int, default=4, help="rows a step")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens a row")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", default="/tmp/trainer-bench")
+    parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args(argv)
+    if args.one:
+        result = run_one(args.one, args)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return 0 if "error" not in result else 1
+    from processes import run_script
+
+    modes = args.modes.split(",")
+    if unknown := sorted(set(modes) - set(MODES)):
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "one", "out")}
+    passed = [item for key, value in settings.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+    results = []
+    for mode in modes:
+        found, _ = run_script("trainer_bench.py", [*passed, "--one", mode])
+        results += found or [{"mode": mode, "shape": args.shape, "error": "no result (crashed)"}]
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(results[-1]) + "\n")
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
