@@ -72,14 +72,15 @@ class Fp8Telemetry:
     ``arm()`` before a step that will be logged has the sampled layers count what their casts do in that
     step; ``collect()`` after it returns the log entries and stops the counting (``stage()`` does the same
     without waiting for the device). Layers that count their casts (the native ones) are sampled; TE's
-    casts happen inside its kernels. Scale statistics cover every FP8 layer. Under ``hf_fp8.compile``
+    casts happen inside its kernels; ``sample_layers=0`` counts none. Scale statistics cover every FP8
+    layer. Under ``hf_fp8.compile``
     the first armed step compiles the sampled blocks once more, with the counting in their graphs;
     later armed steps reuse that graph.
     """
 
     def __init__(self, model: nn.Module, sample_layers: int = 8) -> None:
         self.model = model
-        self.sampled = _sample(model, max(sample_layers, 1))
+        self.sampled = _sample(model, sample_layers) if sample_layers > 0 else []
         self.armed = False
 
     def arm(self) -> None:
@@ -99,7 +100,7 @@ class Fp8Telemetry:
         """Gather the step's numbers on the device and start copying them to the host; stops the
         counting. Nothing here waits for the device."""
         parts = self._scale_parts()
-        counted = self.armed
+        counted = self.armed and bool(self.sampled)
         if counted:
             parts.append(self._cast_counts(parts[0].device))
         values = torch.cat(parts).double()
