@@ -62,6 +62,7 @@ def compiled_graphs() -> int:
 
 
 def trainer_row(mode: str, args: argparse.Namespace) -> dict:
+    import torch._dynamo.utils
     from transformers import Trainer, TrainingArguments
     from trl_bench import model_for, step_timer
 
@@ -85,7 +86,12 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         seed=0,
     )
     timer = step_timer(args.device)
-    callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback()] if "fp8" in mode else [])
+    fp8 = (
+        hf_fp8.Fp8TrainerCallback()
+        if args.sample_layers is None
+        else hf_fp8.Fp8TrainerCallback(sample_layers=args.sample_layers)
+    )
+    callbacks = [timer] + ([fp8] if "fp8" in mode else [])
     trainer = Trainer(
         model=model,
         args=training,
@@ -94,6 +100,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     )
     trainer.train()
     total_s = time.perf_counter() - start
+    print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
     timed = timer.times[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return row(mode, args, statistics.median(timed), total_s - sum(timed), losses[-3:])
@@ -208,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--sample-layers", type=int, help="Fp8TrainerCallback(sample_layers=N) (default: the callback's)"
+    )
     parser.add_argument("--workdir", default="/tmp/trainer-bench")
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -224,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "one", "out")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "one", "out") and v is not None}
     passed = [item for key, value in settings.items() for item in (f"--{key.replace('_', '-')}", str(value))]
     results = []
     for mode in modes:

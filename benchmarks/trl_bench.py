@@ -36,6 +36,8 @@ MODES = (
     "dpo-fp8",
     "grpo-bf16",
     "grpo-fp8",
+    "grpo-fp8-eager",
+    "grpo-bf16-hfcompile",
     "generate-bf16",
     "generate-fp8",
     "generate-bf16-train",
@@ -124,13 +126,14 @@ def step_timer(device: str, profile_after: int | None = None):
 
 def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     import torch
+    import torch._dynamo.utils
     import trl
     from datasets import Dataset
 
     import hf_fp8
 
     task, precision = mode.split("-", 1)
-    fp8 = precision == "fp8"
+    fp8 = precision.startswith("fp8")
     rng = random.Random(0)
     steps = args.warmup + args.steps
     common = dict(
@@ -149,7 +152,9 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         seed=0,
     )
     timer = step_timer(args.device, args.warmup if args.profile else None)
-    callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback()] if fp8 else [])
+    callbacks = [timer] + (
+        [hf_fp8.Fp8TrainerCallback(compile=False if precision == "fp8-eager" else None)] if fp8 else []
+    )
     model, tokenizer = model_for(args), byte_tokenizer()
     if precision == "bf16-hfcompile":
         hf_fp8.compile(model)
@@ -205,6 +210,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     trainer.train()
     total_s = time.perf_counter() - start
+    print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)  # where the warm-up went
     timed = timer.times[args.warmup :]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     tokens = [
