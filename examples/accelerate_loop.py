@@ -12,14 +12,11 @@ The recipe is the launcher's when ``hf-fp8 launch --recipe`` gave one, else ``--
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 import hf_fp8
-from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
-from hf_fp8.recipe import LAUNCHER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or not 16 <= args.seq_len <= 2048 or not 0 < args.lr < 1:
         parser.error("--steps and --batch-size must be at least 1, --seq-len from 16 to 2048, --lr in (0, 1)")
-    launched = bool(os.environ.get(LAUNCHER_ENV))
+    launched = hf_fp8.Fp8Recipe.launched()
     try:
         recipe = hf_fp8.Fp8Recipe.from_launcher() if launched else hf_fp8.Fp8Recipe.load(args.recipe)
-        path, text = smollm2_path(), load_text()
+        path, text = hf_fp8.assets.smollm2_path(), hf_fp8.assets.load_text()
     except ValueError as err:
         parser.error(str(err))
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        parser.error(f"{err} ({DEMO_INSTALL})")
+        parser.error(f"{err} ({hf_fp8.assets.DEMO_INSTALL})")
 
     from accelerate import Accelerator
     from tqdm.auto import tqdm

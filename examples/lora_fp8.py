@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 import hf_fp8
-from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -40,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--out {args.out} exists and is not an empty folder; choose another or pass --overwrite"
         )
     try:
-        path, text = smollm2_path(), load_text()
+        path, text = hf_fp8.assets.smollm2_path(), hf_fp8.assets.load_text()
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        parser.error(f"{err} ({DEMO_INSTALL})")
+        parser.error(f"{err} ({hf_fp8.assets.DEMO_INSTALL})")
 
     from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
@@ -50,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, report = hf_fp8.peft.from_pretrained_fp8(path, device=device, dtype=torch.float32)
-    fp8_bytes = sum(m.weight._data.nbytes for m in model.modules() if isinstance(m, hf_fp8.Fp8Module))
+    fp8_bytes = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, hf_fp8.Fp8Module)
+    )  # a byte each
     print(report)
     mib = fp8_bytes / 2**20
     print(f"base linear weights stored in FP8: {mib:.1f} MiB (in BF16: {2 * mib:.1f} MiB)")

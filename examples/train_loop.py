@@ -12,13 +12,11 @@ layer, the loss with FP8 switched off for comparison, and the plain model given 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 import hf_fp8
-from hf_fp8.recipe import LAUNCHER_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    launched = bool(os.environ.get(LAUNCHER_ENV))
+    launched = hf_fp8.Fp8Recipe.launched()
     try:
         recipe = hf_fp8.Fp8Recipe.from_launcher() if launched else hf_fp8.Fp8Recipe.load(args.recipe)
     except ValueError as err:

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 import hf_fp8
-from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
 
 
 def rows(path: Path, text: bytes, count: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
@@ -79,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         recipe = hf_fp8.Fp8Recipe.load(args.recipe)
-        path, text = smollm2_path(), load_text()
+        path, text = hf_fp8.assets.smollm2_path(), hf_fp8.assets.load_text()
     except ValueError as err:
         parser.error(str(err))
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        parser.error(f"{err} ({DEMO_INSTALL})")
+        parser.error(f"{err} ({hf_fp8.assets.DEMO_INSTALL})")
 
     data = rows(path, text, args.steps * args.batch_size, args.seq_len)
     full = train(path, data, args.out / "run", args, recipe)

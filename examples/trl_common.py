@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hf_fp8.apps.assets import DEMO_INSTALL, load_text, smollm2_path
+import hf_fp8
 
 
 def parser(doc: str, steps: int, batch_size: int, seq_len: int) -> argparse.ArgumentParser:
@@ -40,9 +40,9 @@ def model_and_tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        path = args.model or smollm2_path()
+        path = args.model or hf_fp8.assets.smollm2_path()
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        p.error(f"{err} ({DEMO_INSTALL}), or pass --model")
+        p.error(f"{err} ({hf_fp8.assets.DEMO_INSTALL}), or pass --model")
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -53,7 +53,7 @@ def model_and_tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace):
 
 def shakespeare_lines(count: int) -> list[str]:
     """``count`` non-empty lines of Shakespeare's plays, from the first one on."""
-    lines = (line.strip() for line in load_text()[:2_000_000].decode("latin-1").splitlines())
+    lines = (line.strip() for line in hf_fp8.assets.load_text()[:2_000_000].decode("latin-1").splitlines())
     return [line for line in lines if len(line) > 20][:count]
 
 

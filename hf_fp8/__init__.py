@@ -22,6 +22,7 @@ _EXPORTS = {
     "E5M2": ("hf_fp8.formats", "E5M2"),
     "RECIPES": ("hf_fp8.recipe", "RECIPES"),
     "Fp8Conv1D": ("hf_fp8.layers.linear", "Fp8Conv1D"),
+    "assets": ("hf_fp8.apps.assets", None),  # the module: the demo's real model and text, from PyPI
     "Fp8Linear": ("hf_fp8.layers.linear", "Fp8Linear"),
     "Fp8Module": ("hf_fp8.layers.linear", "Fp8Module"),
     "Fp8NanGuard": ("hf_fp8.integrations.guard", "Fp8NanGuard"),
@@ -61,6 +62,7 @@ __all__ = [
     "Fp8Trainer",
     "Fp8TrainerCallback",
     "PatchReport",
+    "assets",
     "cast_to_representable",
     "compile",
     "fp8_autocast",
@@ -93,8 +95,8 @@ def __dir__() -> list[str]:
 
 
 # Modules that moved into the packages (0.2): their old paths import the new modules, with a
-# DeprecationWarning; ``hf_fp8.peft`` is the documented name of ``hf_fp8.integrations.peft`` and warns
-# not. CHANGELOG.md lists them.
+# DeprecationWarning; ``hf_fp8.peft`` and ``hf_fp8.assets`` are the documented names of
+# ``hf_fp8.integrations.peft`` and ``hf_fp8.apps.assets`` and warn not. CHANGELOG.md lists them.
 _MOVED = {
     "scaling": "numerics.scaling",
     "gemm": "numerics.gemm",
@@ -130,7 +132,7 @@ _MOVED = {
     "assets": "apps.assets",
     "inputs": "checks",
 }
-_DOCUMENTED = {"peft"}
+_DOCUMENTED = {"assets", "peft"}
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -167,6 +169,7 @@ sys.meta_path.append(_MovedModuleFinder())
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from hf_fp8.apps import assets
     from hf_fp8.autocast import fp8_autocast
     from hf_fp8.backends.native import update_fp8_scales
     from hf_fp8.formats import E4M3, E5M2, cast_to_representable

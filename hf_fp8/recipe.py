@@ -283,6 +283,11 @@ class Fp8Recipe:
         except (yaml.YAMLError, ValueError) as err:
             raise ValueError(f"{LAUNCHER_ENV} does not hold a valid recipe: {err}") from None
 
+    @staticmethod
+    def launched(environ: Mapping[str, str] | None = None) -> bool:
+        """Whether ``hf-fp8 launch`` handed this process a recipe (see :meth:`from_launcher`)."""
+        return bool((os.environ if environ is None else environ).get(LAUNCHER_ENV))
+
     @classmethod
     def named(cls, name: str) -> Fp8Recipe:
         """One of the named recipes in :data:`RECIPES` (the same as the files in ``recipes/``)."""

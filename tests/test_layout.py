@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 import warnings
@@ -80,12 +81,25 @@ def test_a_moved_module_imports_from_its_old_path_with_a_warning(old):
     assert sys.modules[f"hf_fp8.{old}"] is sys.modules[moved.__name__]  # one module, two names
 
 
-def test_the_documented_peft_helpers_import_quietly():
+def test_the_documented_peft_helpers_and_demo_assets_import_quietly():
     sys.modules.pop("hf_fp8.peft", None)
+    sys.modules.pop("hf_fp8.assets", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        from hf_fp8.assets import smollm2_path
         from hf_fp8.peft import merge_and_unload
     assert merge_and_unload is hf_fp8.peft.merge_and_unload
+    assert smollm2_path is hf_fp8.assets.smollm2_path
+
+
+def test_examples_use_the_public_api_only():
+    """What users copy from examples/ must not break when a private module moves."""
+    private = re.compile(
+        r"hf_fp8\.(apps|patching|integrations|layers|numerics|backends|recipe)\b|(?<!torch)\._[a-z]\w*"
+    )
+    for path in sorted((PACKAGE.parent / "examples").glob("*.py")):
+        found = [line for line in path.read_text().splitlines() if private.search(line.split("#")[0])]
+        assert found == [], f"{path.name}: {found}"
 
 
 def test_a_moved_module_runs_from_its_old_path():

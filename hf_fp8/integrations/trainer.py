@@ -20,29 +20,32 @@ it. The callback adds its telemetry to ``trainer.state.log_history`` and to what
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.training_args import ParallelMode
 
-from hf_fp8.backends.base import data_parallel_refusal
-from hf_fp8.backends.registry import backend_class, backend_for_data_parallel, backend_for_fsdp
-from hf_fp8.formats import gpu_has_fp8
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
-from hf_fp8.integrations.compiled import compile_model, compiles_by_default
+from hf_fp8.integrations.compiled import compile_model
 from hf_fp8.integrations.guard import Fp8NanGuard
 from hf_fp8.integrations.telemetry import Fp8Telemetry, StagedLogs
+from hf_fp8.integrations.training_arguments import (
+    backend_for,
+    check_arguments,
+    compiles_by_default_for,
+    generates,
+    log_due,
+    logging_strategy,
+    resume_candidates,
+    saved_checkpoint,
+    should_compile,
+)
 from hf_fp8.patching.patch import is_patched, patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
-from hf_fp8.patching.zero import zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
 
@@ -126,7 +129,7 @@ class Fp8TrainerCallback(TrainerCallback):
             self._guard.use_optimizer(optimizer)  # a fused optimizer skips non-finite steps on the GPU
         if self._telemetry is None or state.global_step == 0:
             return
-        searched = _resume_candidates(args, state.global_step, self.resume_from)
+        searched = resume_candidates(args, state.global_step, self.resume_from)
         folder = next((f for f in searched if (f / FP8_STATE_FILE).is_file()), None)
         if folder is None:
             where = ", ".join(str(f) for f in searched)
@@ -161,7 +164,7 @@ class Fp8TrainerCallback(TrainerCallback):
             self.report = patch_model(model)
         else:
             self.report = patch_model(
-                model, self.recipe, backend=_backend_for(self.backend, args, self.recipe)
+                model, self.recipe, backend=backend_for(self.backend, args, self.recipe)
             )
             self.recipe = self.report.recipe
         if self._guard is not None:
@@ -170,9 +173,9 @@ class Fp8TrainerCallback(TrainerCallback):
         if not is_patched(model):  # recipe.enabled is False: a high-precision run
             self._telemetry = None
             return
-        _check_arguments(args, model)
-        compiles = _compiles(self.compile, args, model)
-        if self.compile is None and _generates(args) and _compiles_by_default(args, model):
+        check_arguments(args, model)
+        compiles = should_compile(self.compile, args, model)
+        if self.compile is None and generates(args) and compiles_by_default_for(args, model):
             self.report.notes.append(
                 "not compiled: this trainer generates with the model it trains, and a compiled FP8 model "
                 "decodes several times slower than an eager one (Fp8TrainerCallback(compile=True) compiles)"
@@ -195,7 +198,7 @@ class Fp8TrainerCallback(TrainerCallback):
         if self._telemetry is None:
             return
         self._guard.begin_step()
-        self._logging = _log_due(args, state)
+        self._logging = log_due(args, state)
         # The first step's casts are not counted: it scales each tensor by its own amax (no history
         # yet), and under hf_fp8.compile counting it would compile its graph once more.
         if self._logging and state.global_step > 0:
@@ -218,7 +221,7 @@ class Fp8TrainerCallback(TrainerCallback):
         staged = self._telemetry.stage()
         extra = {"fp8/skipped_steps": self.skipped_steps, "fp8/margin": self.recipe.margin}
         # By steps, the log comes right after this step or not at all; by epoch, it takes the newest.
-        if control.should_log or _logging_strategy(args) != "steps":
+        if control.should_log or logging_strategy(args) != "steps":
             self._pending_logs = (staged, extra)
 
     def pop_telemetry(self) -> dict[str, Any]:
@@ -245,7 +248,7 @@ class Fp8TrainerCallback(TrainerCallback):
             self._guard.flush()  # no checkpoint of a run that went non-finite
         if self._telemetry is None or not args.should_save:
             return
-        folder = _saved_checkpoint(args, state.global_step)
+        folder = saved_checkpoint(args, state.global_step)
         if folder is None:
             warnings.warn(
                 f"hf_fp8: no {PREFIX_CHECKPOINT_DIR}-{state.global_step} folder under {args.output_dir} to "
@@ -285,136 +288,3 @@ class Fp8Trainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs.update(self.fp8_callback.pop_telemetry())
         super().log(logs, start_time)
-
-
-# ---- helpers --------------------------------------------------------------------------------------
-
-
-def _check_arguments(args: Any, model: nn.Module) -> None:
-    """Warn about TrainingArguments that fight FP8, and say what runs where FP8 cannot."""
-    backend = get_state(model).backend
-    if getattr(args, "fp16", False):
-        warnings.warn(
-            "hf_fp8: fp16=True runs everything outside the FP8 layers in float16 under a loss scaler, "
-            "which FP8 training does not need and which overflows more easily (the steps the scaler "
-            "would skip reach the NaN guard, which raises by default); use bf16=True",
-            stacklevel=3,
-        )
-    if _data_parallel(args) and (problem := backend.replica_problem()) is not None:
-        raise ValueError(data_parallel_refusal(backend.name, problem))
-    if backend.recompute_problem is not None and _checkpointing_requested(args):
-        raise ValueError(
-            f"hf_fp8: gradient_checkpointing with the {backend.name} backend "
-            f"{backend.recompute_problem}; set gradient_checkpointing=False or patch with backend='native'"
-        )
-    device = getattr(args, "device", None) or next(model.parameters()).device
-    if device.type == "cpu":
-        warnings.warn(
-            "hf_fp8: the model is on the CPU; FP8 runs with real FP8 casts and torch._scaled_mm, so the "
-            "numerics are those of FP8 training, but the CPU has no FP8 speed-up",
-            stacklevel=3,
-        )
-    elif device.type == "cuda" and not gpu_has_fp8(device):
-        name = torch.cuda.get_device_name(device)
-        major, minor = torch.cuda.get_device_capability(device)
-        warnings.warn(
-            f"hf_fp8: {name} (compute capability {major}.{minor}) has no FP8 tensor cores (they need 8.9 "
-            "or later); the FP8 GEMMs are emulated in float32 with the same FP8 numerics, slower than BF16",
-            stacklevel=3,
-        )
-
-
-def _compiles(asked: bool | None, args: Any, model: nn.Module) -> bool:
-    """Whether the callback compiles the patched model: as asked, else by :func:`_compiles_by_default`,
-    except for a trainer that generates with the model it trains (TRL's GRPO): on one H200 (1B shape) a
-    compiled FP8 GRPO step took 10-14 s against 2.8 s eager and 1.9-2.4 s in BF16, its decoding attention
-    calls blocking the host, a cause not yet found."""
-    if asked is not None:
-        return asked
-    return not _generates(args) and _compiles_by_default(args, model)
-
-
-def _compiles_by_default(args: Any, model: nn.Module) -> bool:
-    """:func:`compiles_by_default` on the device the Trainer trains on, sharded under FSDP and DeepSpeed."""
-    sharded = bool(getattr(args, "fsdp", None)) or _under_deepspeed(args)
-    device = getattr(args, "device", None) or next(model.parameters()).device
-    return compiles_by_default(model, device, sharded)
-
-
-def _generates(args: Any) -> bool:
-    """Whether the trainer generates with the model it trains (TRL's online methods, GRPO and RLOO,
-    whose configs say how many completions a prompt gets)."""
-    return getattr(args, "num_generations", None) is not None
-
-
-def _under_deepspeed(args: Any) -> bool:
-    """Whether the Trainer runs under DeepSpeed: given a config, or ZeRO set up by its launcher."""
-    return bool(getattr(args, "deepspeed", None)) or zero_stage() is not None
-
-
-def _data_parallel(args: Any) -> bool:
-    """Whether the Trainer will wrap the model in nn.DataParallel: several GPUs, no launcher."""
-    mode = getattr(args, "parallel_mode", None)
-    return getattr(args, "n_gpu", 1) > 1 and mode == ParallelMode.NOT_DISTRIBUTED
-
-
-def _checkpointing_requested(args: Any) -> bool:
-    """Activation (before transformers 5: gradient) checkpointing is asked for."""
-    name = (
-        "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
-    )
-    return bool(getattr(args, name, False))
-
-
-def _backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
-    """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
-    Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
-    arguments, a backend that trains sharded; under DeepSpeed, as asked: ``patch_model`` sees the ZeRO
-    stage too and chooses (or refuses) the backend for it."""
-    if getattr(args, "fsdp", None):
-        return backend_for_fsdp(backend)
-    if _under_deepspeed(args):
-        return backend
-    if _data_parallel(args):
-        return backend_for_data_parallel(backend)
-    if backend != "auto":
-        return backend
-    device = getattr(args, "device", torch.device("cpu"))
-    return backend_class("auto", device, recipe or Fp8Recipe.from_launcher()).name
-
-
-def _logging_strategy(args: Any) -> str:
-    return str(getattr(args, "logging_strategy", "steps")).rsplit(".", 1)[-1].lower()
-
-
-def _log_due(args: Any, state: Any) -> bool:
-    """Whether the step now starting will be logged (DefaultFlowCallback's rule). Logging by epoch
-    samples every step and keeps the newest; no logging samples nothing."""
-    strategy = _logging_strategy(args)
-    if strategy != "steps":
-        return strategy != "no"
-    step = state.global_step + 1
-    every = state.logging_steps or args.logging_steps
-    every = math.ceil(every) if every >= 1 else max(1, math.ceil(state.max_steps * every))
-    return step % every == 0 or (step == 1 and args.logging_first_step)
-
-
-def _resume_candidates(args: Any, step: int, resume_from: str | None) -> list[Path]:
-    """Where the checkpoint being resumed may be: the folder Fp8Trainer.train was given, the one in
-    TrainingArguments, else the Trainer's default place for it."""
-    given = (resume_from, getattr(args, "resume_from_checkpoint", None))
-    return [
-        *(Path(p) for p in given if isinstance(p, str)),
-        Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}",
-    ]
-
-
-def _saved_checkpoint(args: Any, step: int) -> Path | None:
-    """The checkpoint folder the Trainer just wrote for ``step``: under the output folder, or under a
-    hyperparameter-search run folder inside it (the newest, being the one just written)."""
-    name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-    direct = Path(args.output_dir) / name
-    if direct.is_dir():
-        return direct
-    runs = sorted(Path(args.output_dir).glob(f"*/{name}"), key=lambda p: p.stat().st_mtime)
-    return runs[-1] if runs else None
