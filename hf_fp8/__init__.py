@@ -35,8 +35,9 @@ _EXPORTS = {
     "cast_to_representable": ("hf_fp8.formats", "cast_to_representable"),
     "compile": ("hf_fp8.integrations.compiled", "compile_model"),
     "fp8_autocast": ("hf_fp8.autocast", "fp8_autocast"),
+    "from_pretrained": ("hf_fp8.integrations.loading", "from_pretrained"),
     "is_patched": ("hf_fp8.patching.patch", "is_patched"),
-    "load_fp8_pretrained": ("hf_fp8.integrations.fp8_checkpoint", "load_fp8_pretrained"),
+    "load_fp8_pretrained": ("hf_fp8.integrations.loading", "load_fp8_pretrained"),
     "load_fp8_state": ("hf_fp8.integrations.checkpoint", "load_fp8_state"),
     "patch_model": ("hf_fp8.patching.patch", "patch_model"),
     "peft": ("hf_fp8.integrations.peft", None),  # the module: hf_fp8.peft.merge_and_unload
@@ -66,6 +67,7 @@ __all__ = [
     "cast_to_representable",
     "compile",
     "fp8_autocast",
+    "from_pretrained",
     "is_patched",
     "load_fp8_pretrained",
     "load_fp8_state",
@@ -176,8 +178,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from hf_fp8.integrations import peft
     from hf_fp8.integrations.checkpoint import load_fp8_state, save_fp8_state
     from hf_fp8.integrations.compiled import compile_model as compile
-    from hf_fp8.integrations.fp8_checkpoint import load_fp8_pretrained, save_fp8_pretrained
+    from hf_fp8.integrations.fp8_checkpoint import save_fp8_pretrained
     from hf_fp8.integrations.guard import Fp8NanGuard
+    from hf_fp8.integrations.loading import from_pretrained, load_fp8_pretrained
     from hf_fp8.integrations.prepare import prepare_fp8
     from hf_fp8.integrations.telemetry import Fp8Telemetry
     from hf_fp8.integrations.trainer import Fp8Trainer, Fp8TrainerCallback

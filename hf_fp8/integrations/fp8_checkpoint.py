@@ -42,8 +42,9 @@ from hf_fp8.numerics.blockwise import BLOCK, cast_blocks
 from hf_fp8.patching.patch import patch_model
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.recipe import Fp8Recipe, as_recipe
+from hf_fp8.report import PatchReport
 
-__all__ = ["load_fp8_pretrained", "save_fp8_pretrained"]
+__all__ = ["load_fp8_checkpoint", "save_fp8_pretrained"]
 
 SCALE_SUFFIX = ".weight_scale_inv"
 # Projections vLLM fuses into one GEMM (qkv_proj, gate_up_proj): all of them quantized, or none.
@@ -98,27 +99,26 @@ def save_fp8_pretrained(
     return list(quantized)
 
 
-def load_fp8_pretrained(
+def load_fp8_checkpoint(
     path: str | os.PathLike,
     recipe: Fp8Recipe | str = "lora-fp8-block",
     *,
-    torch_dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device | None = None,
     model_class: type | None = None,
     backend: str = "native",
-) -> nn.Module:
+) -> tuple[nn.Module, PatchReport]:
     """Load the fine-grained FP8 checkpoint in the folder ``path`` and patch it with ``recipe``.
 
     Under a recipe with ``fp8_weights`` each quantized linear weight is stored in FP8 as the checkpoint
     holds it, frozen; under block scaling its GEMMs use those very values and block scales. Under
     tensorwise scaling (``lora-fp8``) each is requantized with one scale, layer by layer, as the recipe
     stores weights. Without ``fp8_weights`` (full fine-tuning) each is dequantized, one at a time, into
-    a trainable weight of ``torch_dtype``. Everything else loads in ``torch_dtype``.
+    a trainable weight of ``dtype``. Everything else loads in ``dtype``.
 
     ``device``: where the weights go (default: the first CUDA GPU if there is one, else the CPU);
     ``model_class``: the transformers auto class, ``AutoModelForCausalLM`` by default. Returns the model,
-    in eval mode as ``from_pretrained`` gives it; the patch report is in its patch state,
-    ``hf_fp8.patching.patch_state.get_state(model).report``, as ``patch_model`` leaves it.
+    in eval mode as ``from_pretrained`` gives it, and the patch report.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -132,7 +132,7 @@ def load_fp8_pretrained(
     del config.quantization_config  # the model is built plain; the FP8 weights are put in below
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers computed
-        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=torch_dtype)
+        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
     store = recipe.enabled and recipe.fp8_weights
     count = _fill(model, folder, device, store, recipe.margin)
     model.to(device).eval()  # the buffers; every parameter is there already
@@ -143,7 +143,7 @@ def load_fp8_pretrained(
         if not is_fp8_module(module):
             _dequantize_stored(module)  # not run in FP8 (the recipe skipped it): a plain frozen weight
         elif requantize and isinstance(weight, Fp8StoredWeight) and weight.in_blocks:
-            module.dequantize_weight_()  # one layer's weight in torch_dtype at a time
+            module.dequantize_weight_()  # one layer's weight in dtype at a time
             module.quantize_weight_()
     done = "stored in FP8 as saved (128x128 block scales)"
     if not store:
@@ -151,7 +151,7 @@ def load_fp8_pretrained(
     elif requantize:
         done = f"stored in FP8 with one scale each (scaling {recipe.scaling!r})"
     report.notes.append(f"fine-grained FP8 checkpoint {str(path)!r}: {count} linear weight(s) {done}")
-    return model
+    return model, report
 
 
 # ---- saving ---------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_a_tensorwise_recipe_stores_each_weight_again_with_one_scale(saved):
 
 
 def test_lora_trains_over_the_loaded_fp8_weights_and_merges_back_into_fp8(saved, tmp_path):
-    model = load_fp8_pretrained(saved, torch_dtype=torch.float32, device="cpu")
+    model = load_fp8_pretrained(saved, dtype=torch.float32, device="cpu")
     stored = {n: model.get_submodule(n).weight._data.clone() for n in layer_names(QUANTIZED)}
     peft_model = lora_for(model, [name.rpartition(".")[2] for name in ALL])
     with pytest.raises(ValueError, match="merge_and_unload"):
@@ -279,3 +279,30 @@ def test_transformers_runs_the_saved_model_on_a_gpu_with_its_fp8_kernels_and_agr
         pytest.skip(f"transformers' FP8 kernels are not available here: {err}")
     # the same FP8 values for weights and activations: the two agree better than either with BF16
     assert (their_logits - ours_logits).abs().max() <= (ours_logits - exact).abs().max()
+
+
+def test_one_loader_for_every_checkpoint_and_recipe_returns_the_model_and_its_report(source, saved, tmp_path):
+    """hf_fp8.from_pretrained: an FP8 checkpoint keeps its block-scaled values (lora-fp8-block), a plain
+    one is quantized on load (lora-fp8), and a recipe without fp8_weights gives trainable weights; each
+    returns (model, report) and takes transformers' ``dtype``."""
+    import hf_fp8
+
+    model, report = hf_fp8.from_pretrained(saved, device="cpu")
+    layer = model.get_submodule(layer_names(QUANTIZED)[0])
+    assert layer.weight_in_fp8 and layer.weight.in_blocks and report is get_state(model).report
+    assert same_bits(layer.weight._data, tensors(saved)[f"{layer_names(QUANTIZED)[0]}.weight"])
+    plain = tmp_path / "plain"
+    source.save_pretrained(plain)
+    frozen, frozen_report = hf_fp8.from_pretrained(plain, device="cpu", dtype=torch.float32)
+    layer = frozen.get_submodule(layer_names(QUANTIZED)[0])
+    assert layer.weight_in_fp8 and not layer.weight.in_blocks and not layer.weight.requires_grad
+    assert frozen_report.recipe.fp8_weights and frozen.model.embed_tokens.weight.dtype == torch.float32
+    trainable, trained_report = hf_fp8.from_pretrained(plain, "hybrid-delayed", device="cpu")
+    layer = trainable.get_submodule(layer_names(QUANTIZED)[0])
+    assert isinstance(layer, Fp8Module) and not layer.weight_in_fp8 and layer.weight.requires_grad
+    assert layer.weight.dtype == torch.bfloat16 and len(trained_report.converted) == 14
+    with pytest.warns(FutureWarning, match="torch_dtype is now dtype"):
+        old = load_fp8_pretrained(saved, device="cpu", torch_dtype=torch.float32)
+    assert old.model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(FileNotFoundError, match="local checkpoint folder"):
+        hf_fp8.from_pretrained(tmp_path / "missing")
