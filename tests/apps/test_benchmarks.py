@@ -3,12 +3,17 @@ measurement, so that a GPU session does not spend its time on a broken script.""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from background_runs import ONE_THREAD, BackgroundRuns, selected_tests
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SMOKE = (
@@ -27,7 +32,7 @@ SMOKE = (
 TIMING = ("--warmup", "2", "--steps", "2")
 
 
-def bench(script: str, *args: str) -> str:
+def bench(script: str, *args: str, env: dict | None = None) -> str:
     """Run a benchmark script (or ``-m module`` with its arguments) in the benchmarks folder."""
     command = [script, *args] if script == "-m" else [str(BENCHMARKS / script), *args]
     result = subprocess.run(
@@ -37,10 +42,67 @@ def bench(script: str, *args: str) -> str:
         stdin=subprocess.DEVNULL,
         timeout=600,
         cwd=BENCHMARKS,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
+
+
+class Run(NamedTuple):
+    test: str  # the test that reads its output
+    args: tuple[str, ...]  # bench's: the script (or -m module) and its arguments
+
+
+COMPARE_ROWS = "bf16,bf16-compile,hf-fp8,hf-fp8-rowwise,torchao,te-fused"
+MOE_MODES = "bf16-eager,bf16-grouped,bf16-grouped-compile,hf-fp8"
+MOE = (
+    "moe_bench.py", "--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--seq", "32",
+    "--modes", MOE_MODES, "--compile-backend", "aot_eager", *TIMING,
+)  # fmt: skip
+ARCH_SWEEP = (
+    "arch_sweep.py", "--families", "gpt2", "--rows", "bf16-compile,hf-fp8-fastest", "--tiny", "--device",
+    "cpu", "--compile-backend", "aot_eager", "--batch", "2", "--seq", "32", *TIMING,
+)  # fmt: skip
+FSDP = (
+    "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
+    "--device", "cpu", "--shape", "tiny", "--layers", "3", "--batch", "2", "--seq", "32", *TIMING,
+)  # fmt: skip
+ZERO = (
+    "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "zero_bench.py",
+    "--device", "cpu", "--shape", "tiny", "--layers", "2", "--batch", "2", "--seq", "32", "--stage", "3",
+    "--modes", "bf16,hf-fp8", *TIMING,
+)  # fmt: skip
+LONG_RUNS = {  # the runs of 5 s and more, by name, in the order they start (the longest first)
+    "compare": Run(
+        "test_compare_runs_each_row_in_its_own_process_and_prints_one_table",
+        ("compare.py", "--rows", COMPARE_ROWS, *SMOKE, *TIMING),
+    ),
+    "arch_sweep": Run("test_arch_sweep_runs_each_row_in_a_process_and_compares_losses", ARCH_SWEEP),
+    "lora": Run(
+        "test_lora_bench_runs", ("lora_bench.py", "--modes", "peft-bf16,native-compile", *SMOKE, *TIMING)
+    ),
+    "fsdp": Run("test_fsdp_bench_runs_on_two_gloo_ranks", FSDP),
+    "zero": Run("test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state", ZERO),
+    "moe": Run("test_moe_bench_runs", MOE),
+    "compare shapes": Run(
+        "test_compare_prints_a_table_for_each_shape_it_is_given",
+        ("compare.py", "--rows", "bf16", "--shape", "tiny,tiny", *SMOKE[2:], *TIMING),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The long runs of the selected tests, all started when the first of them asks for one."""
+    selected = selected_tests(request)
+    calls = {
+        name: functools.partial(bench, *run.args, env=ONE_THREAD)
+        for name, run in LONG_RUNS.items()
+        if run.test in selected
+    }
+    started = BackgroundRuns(calls)
+    yield started
+    started.close()
 
 
 def table_rows(out: str) -> dict[str, list[str]]:
@@ -51,9 +113,8 @@ def table_rows(out: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
 
 
-def test_compare_runs_each_row_in_its_own_process_and_prints_one_table():
-    rows = "bf16,bf16-compile,hf-fp8,hf-fp8-rowwise,torchao,te-fused"
-    out = bench("compare.py", "--rows", rows, *SMOKE, *TIMING)
+def test_compare_runs_each_row_in_its_own_process_and_prints_one_table(runs):
+    out = runs.output("compare")
     table = table_rows(out)
     assert set(table) == {"bf16", "bf16-compile", "hf-fp8", "hf-fp8-rowwise"}, out
     assert table["bf16"][1] == "1.00x" and table["hf-fp8"][2].endswith("x")  # vs bf16, vs bf16-compile
@@ -61,32 +122,25 @@ def test_compare_runs_each_row_in_its_own_process_and_prints_one_table():
     assert "torchao: left out (no --torchao-path given)" in out and "te-fused: left out" in out
 
 
-def test_compare_prints_a_table_for_each_shape_it_is_given():
-    out = bench("compare.py", "--rows", "bf16", "--shape", "tiny,tiny", *SMOKE[2:], *TIMING)
+def test_compare_prints_a_table_for_each_shape_it_is_given(runs):
+    out = runs.output("compare shapes")
     assert out.count("\n## tiny\n") == 2 and out.count("| bf16 | ") == 2 + 2, out  # step_bench's + ours
 
 
-def test_lora_bench_runs():
-    out = bench("lora_bench.py", "--modes", "peft-bf16,native-compile", *SMOKE, *TIMING)
+def test_lora_bench_runs(runs):
+    out = runs.output("lora")
     table = table_rows(out)
     assert set(table) == {"peft-bf16", "native-compile"} and "error" not in out, out
 
 
-def test_moe_bench_runs():
-    modes = "bf16-eager,bf16-grouped,bf16-grouped-compile,hf-fp8"
-    out = bench(
-        "moe_bench.py", "--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--seq", "32",
-        "--modes", modes, "--compile-backend", "aot_eager", *TIMING,
-    )  # fmt: skip
+def test_moe_bench_runs(runs):
+    out = runs.output("moe")
     table = table_rows(out)
-    assert set(table) == set(modes.split(",")) and "error" not in out, out
+    assert set(table) == set(MOE_MODES.split(",")) and "error" not in out, out
 
 
-def test_arch_sweep_runs_each_row_in_a_process_and_compares_losses():
-    out = bench(
-        "arch_sweep.py", "--families", "gpt2", "--rows", "bf16-compile,hf-fp8-fastest", "--tiny", "--device",
-        "cpu", "--compile-backend", "aot_eager", "--batch", "2", "--seq", "32", *TIMING,
-    )  # fmt: skip
+def test_arch_sweep_runs_each_row_in_a_process_and_compares_losses(runs):
+    out = runs.output("arch_sweep")
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["family"], r["mode"]) for r in results] == [
         ("gpt2", "bf16-compile"),
@@ -101,11 +155,8 @@ def test_arch_sweep_runs_each_row_in_a_process_and_compares_losses():
     assert cells["loss fastest"] == f"{fp8_loss:.3f} ({(fp8_loss / compile_loss - 1) * 100:+.1f}%)", row
 
 
-def test_fsdp_bench_runs_on_two_gloo_ranks():
-    out = bench(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "fsdp_bench.py",
-        "--device", "cpu", "--shape", "tiny", "--layers", "3", "--batch", "2", "--seq", "32", *TIMING,
-    )  # fmt: skip
+def test_fsdp_bench_runs_on_two_gloo_ranks(runs):
+    out = runs.output("fsdp")
     table = table_rows(out)
     modes = {"bf16", "hf-fp8", "hf-fp8-ag", "hf-fp8-head-backward", "hf-fp8-ag-head-backward"}
     assert set(table) == modes, out
@@ -116,12 +167,8 @@ def test_fsdp_bench_runs_on_two_gloo_ranks():
     assert table["hf-fp8-ag"][5] == table["hf-fp8"][5], "the FP8 all-gather changes no number"
 
 
-def test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state():
-    out = bench(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "zero_bench.py",
-        "--device", "cpu", "--shape", "tiny", "--layers", "2", "--batch", "2", "--seq", "32", "--stage", "3",
-        "--modes", "bf16,hf-fp8", *TIMING,
-    )  # fmt: skip
+def test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state(runs):
+    out = runs.output("zero")
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["mode"], r["stage"], r["layers"]) for r in results] == [("bf16", 3, 2), ("hf-fp8", 3, 2)], out
     assert results[1]["same_fp8_state_on_every_rank"]
