@@ -5,7 +5,8 @@
 
 Fine-tunes SmolLM2-135M on Shakespeare. ``hf_fp8.prepare_fp8`` patches the model before
 ``accelerator.prepare`` (so DDP wraps the FP8 model and one amax all-reduce a step keeps the ranks'
-scales equal), and ``hf_fp8.Fp8NanGuard`` checks each step before the optimizer touches the weights.
+scales equal; on an FP8 GPU it also compiles the model block by block), and ``hf_fp8.Fp8NanGuard``
+keeps a non-finite step from the weights without waiting for the GPU (the fused AdamW skips it).
 The recipe is the launcher's when ``hf-fp8 launch --recipe`` gave one, else ``--recipe``.
 """
 
@@ -53,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.tensor(tokenizer(text[:400_000].decode("latin-1"))["input_ids"])
     generator = torch.Generator().manual_seed(accelerator.process_index)  # each rank its own batches
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     model, optimizer, report = hf_fp8.prepare_fp8(accelerator, model, optimizer, recipe=recipe)
-    guard = hf_fp8.Fp8NanGuard(model)
+    guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer)  # fused: a bad step is skipped on the GPU
     if accelerator.is_main_process:
         source = "from hf-fp8 launch" if launched else "from --recipe"
         print(f"recipe {source}: {recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
         optimizer.zero_grad()
         progress.set_postfix(loss=f"{loss.item():.3f}")
+    guard.flush()  # raises if the last step was non-finite (its check did not wait for the GPU)
     if accelerator.is_main_process:
         print(f"done: {args.steps} steps, last loss {loss.item():.4f}, skipped steps {guard.skipped_steps}")
     return 0
