@@ -263,8 +263,8 @@ class NonFiniteWatch:
             warnings.warn(
                 f"hf_fp8: FP8 step {step} recorded a non-finite amax in layer {first!r}{more}: a NaN or inf "
                 "in the batch, its activations or its gradients; those scales kept their previous values. "
-                "Guard the loop with hf_fp8.Fp8NanGuard (the Trainer callback does) to catch such a step "
-                "before the optimizer applies it",
+                "Only an hf_fp8.Fp8NanGuard (the Trainer callback has one) keeps such a step from the "
+                "weights; with a fused optimizer it raises at the next step's check",
                 stacklevel=2,
             )
 
