@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,3 +33,34 @@ def run_script(script: str, arguments: list[str], extra_path: str | None = None)
         process = subprocess.run(command, env=env, cwd=HERE)
         found = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return found, process.returncode
+
+
+def append_result(result: dict, out: str | None) -> None:
+    """Print ``result`` as a JSON line, and append it to the file ``out`` when one is given."""
+    print(json.dumps(result), flush=True)
+    _write_line(result, out)
+
+
+def run_modes_in_processes(
+    script: str, args: Any, modes: list[str], switches: tuple[str, ...] = ()
+) -> list[dict]:
+    """Run ``benchmarks/<script> --one MODE`` for each mode, each in a process of its own, passing on
+    every setting of ``args`` (``switches``: its ``store_true`` flags, passed bare when set; settings that
+    are ``None`` are left to the script's defaults). A mode that leaves no result is reported as crashed.
+    Each result is appended to ``args.out`` as it comes."""
+    skipped = {"modes", "one", "out", *switches}
+    settings = {k: v for k, v in vars(args).items() if k not in skipped and v is not None}
+    passed = [item for key, value in settings.items() for item in (f"--{key.replace('_', '-')}", str(value))]
+    passed += [f"--{flag.replace('_', '-')}" for flag in switches if getattr(args, flag)]
+    results = []
+    for mode in modes:
+        found, _ = run_script(script, [*passed, "--one", mode])
+        results += found or [{"mode": mode, "shape": args.shape, "error": "no result (crashed)"}]
+        _write_line(results[-1], args.out)
+    return results
+
+
+def _write_line(result: dict, out: str | None) -> None:
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(result) + "\n")

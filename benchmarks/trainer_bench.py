@@ -22,7 +22,6 @@ torch.compile made. Text is trl_bench's synthetic sentences through a byte-level
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -222,27 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args(argv)
+    from processes import append_result, run_modes_in_processes
+
     if args.one:
         result = run_one(args.one, args)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        append_result(result, args.out)
         return 0 if "error" not in result else 1
-    from processes import run_script
-
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("modes", "one", "out") and v is not None}
-    passed = [item for key, value in settings.items() for item in (f"--{key.replace('_', '-')}", str(value))]
-    results = []
-    for mode in modes:
-        found, _ = run_script("trainer_bench.py", [*passed, "--one", mode])
-        results += found or [{"mode": mode, "shape": args.shape, "error": "no result (crashed)"}]
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(results[-1]) + "\n")
+    results = run_modes_in_processes("trainer_bench.py", args, modes, ())
     print_table(results)
     return 0
 
