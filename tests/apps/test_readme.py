@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ScaledMmCalls, stored_in_fp8
-from transformers import AutoConfig, AutoModelForCausalLM
-from trl_setup import VOCAB, byte_tokenizer, text_rows
+from transformers import AutoModelForCausalLM
+from trl_setup import byte_tokenizer, text_rows, tiny_llama
 
 import hf_fp8
 from hf_fp8.apps import cli
@@ -135,22 +135,7 @@ def readers_names(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("model")
     # Sizes that are multiples of 128 (the projections that save_fp8_pretrained quantizes) and a vocabulary
     # of bytes and three special tokens (trl_setup's tokenizer).
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        pad_token_id=256,
-        bos_token_id=257,
-        eos_token_id=258,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_llama(hidden_size=128, intermediate_size=256, num_key_value_heads=4).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     ids = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
     rows = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
