@@ -38,6 +38,7 @@ from hf_fp8.layers.shared_inputs import SharedInputCasts
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
 from hf_fp8.numerics.blockwise import EMULATED, block_kernels_available
+from hf_fp8.numerics.host_copy import copy_to_host
 from hf_fp8.numerics.scaling import WEIGHT, advance_steps
 from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
@@ -232,12 +233,7 @@ class NonFiniteWatch:
         self._steps += 1
         if bad is None:
             return
-        if bad.is_cuda:
-            event = torch.cuda.Event()
-            self._pending = (bad.to("cpu", non_blocking=True), event, self._steps, layers)
-            event.record()
-        else:
-            self._pending = (bad, None, self._steps, layers)
+        self._pending = (*copy_to_host(bad), self._steps, layers)
 
     def poll(self) -> None:
         """Warn about the flags submitted last, if the GPU is done with them."""

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.checks import check_model
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
+from hf_fp8.numerics.host_copy import copy_to_host
 from hf_fp8.patching.patch_state import get_state, patched_module
 from hf_fp8.patching.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
 from hf_fp8.patching.zero import zero_refusal, zero_stage
@@ -130,7 +131,7 @@ class Fp8NanGuard:
         self._losses.clear()
         if not self.waits_for_device:
             self._skip_flag = flags.amax().float()
-            previous, self._in_flight = self._in_flight, (*_to_host(flags), step)
+            previous, self._in_flight = self._in_flight, (*copy_to_host(flags), step)
             if previous is not None:
                 self._raise_if_non_finite(*previous)
             return True
@@ -282,17 +283,6 @@ def _skips_on_device(optimizer: Any) -> bool:
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return not any(isinstance(p, DTensor) for p in params)
-
-
-def _to_host(flags: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start copying ``flags`` to the host; the event says when the copy is there (``None``: it is)."""
-    if not flags.is_cuda:
-        return flags.clone(), None
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-    host.copy_(flags, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def _first_non_finite_amax(bad: list[tuple[str, str, str]]) -> str:

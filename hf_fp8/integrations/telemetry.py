@@ -29,6 +29,7 @@ from torch import nn
 from hf_fp8.backends.registry import fp8_layers
 from hf_fp8.layers.layer_scaling import CountsCasts
 from hf_fp8.module_tree import repeated_blocks
+from hf_fp8.numerics.host_copy import copy_to_host
 
 __all__ = ["Fp8Telemetry", "StagedLogs"]
 
@@ -103,14 +104,7 @@ class Fp8Telemetry:
         counted = self.armed and bool(self.sampled)
         if counted:
             parts.append(self._cast_counts(parts[0].device))
-        values = torch.cat(parts).double()
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = values, None
+        host, ready = copy_to_host(torch.cat(parts).double())
         for _, module in self.sampled:
             module.count_casts(False)
         self.armed = False
