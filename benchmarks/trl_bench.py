@@ -3,13 +3,13 @@
     python benchmarks/trl_bench.py --shape 1b [--modes sft-bf16,sft-fp8,...] [--steps 8 --warmup 4]
 
 Rows: ``sft`` (SFTTrainer, packed rows of ``--seq`` tokens), ``dpo`` (DPOTrainer, a frozen reference
-model: BF16 for the BF16 row, ``reference-fp8`` for the FP8 row), ``grpo`` (GRPOTrainer generating with
-the model it trains, no vLLM), and ``generate`` (``model.generate``, batch 8, 256 new tokens, greedy;
-``-train`` rows in training mode, as GRPO calls it). ``-bf16`` rows run the model as loaded; ``-fp8``
-rows add ``hf_fp8.Fp8TrainerCallback()`` and nothing else (it compiles on an FP8 GPU);
-``sft-bf16-compile`` is BF16 with ``TrainingArguments(torch_compile=True)``, ``sft-bf16-hfcompile``
-BF16 with ``hf_fp8.compile(model)`` first: the same compiled path and attention without FP8, the
-yardstick of FP8's own gain.
+model: BF16 for the BF16 row, ``hf_fp8.prepare_reference`` for the FP8 row; DPOConfig's learning rate),
+``grpo`` (GRPOTrainer generating with the model it trains, no vLLM), and ``generate``
+(``model.generate``, batch 8, 256 new tokens, greedy; ``-train`` rows in training mode, as GRPO calls
+it). ``-bf16`` rows run the model as loaded; ``-fp8`` rows add ``hf_fp8.Fp8TrainerCallback()`` and
+nothing else (it compiles on an FP8 GPU); ``sft-bf16-compile`` is BF16 with
+``TrainingArguments(torch_compile=True)``, ``sft-bf16-hfcompile`` BF16 with ``hf_fp8.compile(model)``
+first: the same compiled path and attention without FP8, the yardstick of FP8's own gain.
 
 Text is synthetic English-like sentences from a fixed seed through a byte-level tokenizer (no hub): the
 model learns it within steps, so the final losses compare. Trainer rows time each optimizer step
@@ -179,8 +179,9 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         ]
         reference = model_for(args).requires_grad_(False)
         if fp8:
-            hf_fp8.patch_model(reference, "reference-fp8")
-        config = trl.DPOConfig(**common, max_length=args.seq)
+            hf_fp8.prepare_reference(reference)
+        # DPO's own learning rate (DPOConfig's default, 1e-6), as its users run it
+        config = trl.DPOConfig(**{**common, "learning_rate": 1e-6}, max_length=args.seq)
         trainer = trl.DPOTrainer(
             model=model,
             ref_model=reference,
@@ -226,6 +227,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         "ms_per_step": step_s * 1e3,
         "tokens_per_s": tokens_per_step / step_s,
         "warmup_s": total_s - sum(timed),
+        "first_loss": logs[0]["loss"],
         "final_loss": statistics.mean(h["loss"] for h in logs[-3:]),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0,
     }
@@ -276,11 +278,13 @@ def run_one(mode: str, args: argparse.Namespace) -> dict:
 
 def print_table(results: list[dict]) -> None:
     by_mode = {r["mode"]: r for r in results if "error" not in r}
-    print("\n| mode | tokens/s | vs BF16 | ms | warm-up s | final loss | vs BF16 loss | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| mode | tokens/s | vs BF16 | ms | warm-up s | first loss | final loss | vs BF16 loss | peak GiB |"
+        "\n|---|---|---|---|---|---|---|---|---|"
+    )
     for r in results:
         if "error" in r:
-            print(f"| {r['mode']} | error: {r['error'][:90]} |||||||")
+            print(f"| {r['mode']} | error: {r['error'][:90]} ||||||||")
             continue
         task = r["mode"].split("-")[0]
         base = by_mode.get(f"{task}-bf16-train" if r["mode"].endswith("-train") else f"{task}-bf16")
@@ -289,9 +293,10 @@ def print_table(results: list[dict]) -> None:
         loss, base_loss = r.get("final_loss"), (base or {}).get("final_loss")
         loss_cell = f"{loss:.4f}" if loss is not None else "-"
         loss_ratio = f"{(loss / base_loss - 1) * 100:+.2f}%" if loss is not None and base_loss else "-"
+        first = f"{r['first_loss']:.4f}" if "first_loss" in r else "-"
         print(
             f"| {r['mode']} | {r['tokens_per_s']:,.0f} | {ratio} | {ms:.1f} | {r['warmup_s']:.1f} "
-            f"| {loss_cell} | {loss_ratio} | {r.get('peak_gib', 0):.1f} |"
+            f"| {first} | {loss_cell} | {loss_ratio} | {r.get('peak_gib', 0):.1f} |"
         )
 
 

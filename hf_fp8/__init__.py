@@ -43,6 +43,7 @@ _EXPORTS = {
     "peft": ("hf_fp8.integrations.peft", None),  # the module: hf_fp8.peft.merge_and_unload
     "plan_patch": ("hf_fp8.patching.patch", "plan_patch"),
     "prepare_fp8": ("hf_fp8.integrations.prepare", "prepare_fp8"),
+    "prepare_reference": ("hf_fp8.integrations.reference", "prepare_reference"),
     "save_fp8_pretrained": ("hf_fp8.integrations.fp8_checkpoint", "save_fp8_pretrained"),
     "save_fp8_state": ("hf_fp8.integrations.checkpoint", "save_fp8_state"),
     "unpatch_model": ("hf_fp8.patching.patch", "unpatch_model"),
@@ -75,6 +76,7 @@ __all__ = [
     "peft",
     "plan_patch",
     "prepare_fp8",
+    "prepare_reference",
     "save_fp8_pretrained",
     "save_fp8_state",
     "unpatch_model",

@@ -187,16 +187,19 @@ def test_packed_row_gives_each_sequence_its_own_loss():
 # ---- DPO --------------------------------------------------------------------------------------------
 
 
-def frozen_reference(fp8: bool):
-    reference = ts.tiny_llama().requires_grad_(False)
-    if fp8:
-        hf_fp8.patch_model(reference, "reference-fp8")
+def frozen_reference(fp8: bool, recipe: str | None = None):
+    reference = ts.tiny_llama()
+    if not fp8:
+        return reference.requires_grad_(False)
+    report = hf_fp8.prepare_reference(reference, recipe)
+    assert any("reference" in note for note in report.notes)
     return reference
 
 
 DPO_CASES = {
     "reference-bf16": dict(reference=lambda: frozen_reference(False)),
-    "reference-fp8": dict(reference=lambda: frozen_reference(True)),
+    "reference-prepared": dict(reference=lambda: frozen_reference(True)),
+    "reference-fp8-weights": dict(reference=lambda: frozen_reference(True, "reference-fp8")),
     "precomputed": dict(reference=lambda: frozen_reference(False), config={"precompute_ref_log_probs": True}),
 }
 
@@ -241,8 +244,34 @@ def test_dpo_lora_takes_the_disabled_adapters_as_reference(tmp_path):
     assert ts.logged(runs[0][0], "logps/chosen")[0] < -1
 
 
+def test_dpo_with_an_fp8_reference_starts_at_ln_2(tmp_path):
+    """Policy and reference hold the same weights at the first step and compute the same FP8 log-probs,
+    so DPO's first loss is ln 2 exactly as in BF16 (a reference that rounds otherwise starts elsewhere)."""
+    trainer, _ = ts.run(
+        trl.DPOTrainer,
+        trl.DPOConfig,
+        tmp_path,
+        True,
+        ref_model=frozen_reference(True),
+        train_dataset=ts.preference_rows(),
+        config={},
+    )
+    assert ts.logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_prepare_reference_freezes_the_model_and_takes_the_policys_recipe():
+    model = ts.tiny_llama()
+    report = hf_fp8.prepare_reference(model)
+    assert not any(p.requires_grad for p in model.parameters())
+    assert report.recipe == hf_fp8.Fp8Recipe(use_during_eval=True), "the policy's recipe, FP8 in eval"
+    assert not any(m.weight_in_fp8 for m in fp8_layers(model)), "cast as the policy casts"
+    assert not any("compiled" in note for note in report.notes), "the CPU stays eager"
+    with pytest.raises(TypeError, match="compile must be"):
+        hf_fp8.prepare_reference(ts.tiny_llama(), compile="yes")
+
+
 def test_reference_fp8_recipe_runs_a_frozen_model_in_fp8_in_eval_mode():
-    reference = frozen_reference(True).eval()
+    reference = frozen_reference(True, "reference-fp8").eval()
     assert all(m.weight_in_fp8 for m in fp8_layers(reference)) and fp8_layers(reference)
     with torch.no_grad(), ScaledMmCalls() as calls:
         reference(input_ids=torch.randint(0, 256, (4, 80)))
