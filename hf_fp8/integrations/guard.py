@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_fp8.backends.registry import fp8_layers
+from hf_fp8.backends.scaling_index import ScalingIndex
 from hf_fp8.checks import check_model
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
 from hf_fp8.numerics.host_copy import copy_to_host
@@ -68,6 +68,7 @@ class Fp8NanGuard:
             raise ValueError("Fp8NanGuard needs a patched model: call hf_fp8.patch_model(model) first")
         self.model = model
         self._patched = patched
+        self._index = ScalingIndex(model)  # every step reads every layer's histories
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -238,18 +239,16 @@ class Fp8NanGuard:
         model = self.model
         device = next(model.parameters()).device
         # under FSDP2 each rank checks its own shards (the flags are reduced below)
-        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
-        histories = [r.amax_history for layer in fp8_layers(model) for r in layer.roles.values()]
+        grads = [_own_part(p.grad) for p in model.parameters() if p.grad is not None]
+        histories = [r.amax_history for r in self._index.roles()]
         finite = torch.tensor(True, device=device)
         losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
         loss_ok = torch.stack(losses).isfinite().all() if losses else finite
-        grad_norms = [n.to(device) for n in torch._foreach_norm(grads)] if grads else []
-        grads_ok = torch.stack(grad_norms).isfinite().all() if grads else finite
+        grad_norms = _stacked_on(torch._foreach_norm(grads), device) if grads else None
+        grads_ok = grad_norms.isfinite().all() if grads else finite
         # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
         amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
-        amaxes_ok = (
-            torch.stack([m.to(device) for m in amax_max]).isfinite() if histories else finite.new_empty(0)
-        )
+        amaxes_ok = _stacked_on(amax_max, device).isfinite() if histories else finite.new_empty(0)
         bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
         group = default_amax_group()
         if group is not None:
@@ -261,7 +260,7 @@ class Fp8NanGuard:
         loss_bad, grad_bad, *amax_bad = flags
         if not (loss_bad or grad_bad or any(amax_bad)):
             return None
-        layers = list(fp8_layers(self.model))
+        layers = self._index.layers()
         roles = [(layer.name, name, r.direction) for layer in layers for name, r in layer.roles.items()]
         parts = []
         if any(amax_bad):
@@ -272,6 +271,20 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
+
+
+def _own_part(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (see ``local_shard``); a plain gradient as it is (no detached
+    alias: the check runs without autograd, and a model has hundreds of them)."""
+    return grad if type(grad) is torch.Tensor and grad.numel() else local_shard(grad)
+
+
+def _stacked_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` (scalars) stacked on ``device``, each moved only when it lives elsewhere (a model
+    spread over several GPUs)."""
+    if all(t.device == device for t in tensors):
+        return torch.stack(tensors)
+    return torch.stack([t.to(device) for t in tensors])
 
 
 def _skips_on_device(optimizer: Any) -> bool:

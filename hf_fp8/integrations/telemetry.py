@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_fp8.backends.registry import fp8_layers
+from hf_fp8.backends.scaling_index import ScalingIndex
 from hf_fp8.layers.layer_scaling import CountsCasts
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.numerics.host_copy import copy_to_host
@@ -81,6 +81,7 @@ class Fp8Telemetry:
 
     def __init__(self, model: nn.Module, sample_layers: int = 8) -> None:
         self.model = model
+        self._index = ScalingIndex(model)  # every logged step reads every layer's scales
         self.sampled = _sample(model, sample_layers) if sample_layers > 0 else []
         self.armed = False
 
@@ -114,26 +115,24 @@ class Fp8Telemetry:
         """Per direction: the minimum, median and maximum of the stepped (nonzero) scales, their count,
         and the largest newest amax (NaN where no layer casts in that direction). A few fused kernels for
         the whole model, however many layers it has."""
-        scales: dict[str, list[torch.Tensor]] = {d: [] for d in _DIRECTIONS}
-        amaxes: dict[str, list[torch.Tensor]] = {d: [] for d in _DIRECTIONS}
-        for layer in fp8_layers(self.model):
-            for role in layer.roles.values():
-                scales[role.direction].append(role.scale.flatten())
-                # this step's newest amax, or the one just rolled into slot 1
-                amaxes[role.direction].append(role.amax_history[:2])
-        device = next((t.device for ts in scales.values() for t in ts), torch.device("cpu"))
+        roles = self._index.roles()
+        device = next((r.scale.device for r in roles), torch.device("cpu"))
+        together = self._index.on_one_device() is not None  # else each moved to ``device`` first
         parts = []
         for direction in _DIRECTIONS:
-            if not scales[direction]:
+            mine = [r for r in roles if r.direction == direction]
+            if not mine:
                 parts.append(torch.full((_PER_DIRECTION,), float("nan"), device=device))
                 continue
-            s = torch.cat([t.to(device, torch.float32) for t in scales[direction]])
+            scales = [r.scale.reshape(1) for r in mine]
+            s = torch.cat(scales if together else [t.to(device) for t in scales]).float()
             stepped = s > 0
             kept = torch.where(stepped, s, float("nan"))
             stats = [kept.nan_to_num(float("inf")).min(), kept.nanmedian(), s.max()]
-            # amaxes are >= 0: the infinity norm of each history's first rows is its largest newest amax
-            newest = torch._foreach_norm(amaxes[direction], ord=float("inf"))
-            amax = torch.stack([a.to(device, torch.float32) for a in newest]).max()
+            # amaxes are >= 0: the infinity norm of each history's first rows (this step's newest amax,
+            # or the one just rolled into slot 1) is its largest newest amax
+            newest = torch._foreach_norm([r.amax_history[:2] for r in mine], ord=float("inf"))
+            amax = torch.stack(newest if together else [a.to(device) for a in newest]).float().max()
             parts.append(torch.stack([*stats, stepped.sum().float(), amax]))
         return parts
 
@@ -141,7 +140,7 @@ class Fp8Telemetry:
         """Per sampled layer and direction, ``[values, saturated, flushed]`` summed over its roles (by
         slices of the counts: indexing with a tensor made here would wait for the device)."""
         directions = {
-            layer.name: [r.direction for r in layer.roles.values()] for layer in fp8_layers(self.model)
+            layer.name: [r.direction for r in layer.roles.values()] for layer in self._index.layers()
         }
         rows = []
         zero = torch.zeros(3, dtype=torch.int64, device=device)
