@@ -13,7 +13,8 @@ Rows:
   Each step reads its loss (as a progress bar does).
 * ``sft-*``: TRL's ``SFTTrainer`` with packing (``trl_bench.py``'s rows).
 
-Trainer rows log every step (``logging_steps=1``, the worst case for host syncs). Each optimizer step is
+Trainer rows log every step (``--logging-steps 1``, the worst case for host syncs) and clip gradients at
+1.0 (the Trainer's default, ``--max-grad-norm``). Each optimizer step is
 timed with the device synchronized at both ends (median after ``--warmup``); the warm-up is everything
 before the timed steps (building the Trainer, compiling, the first steps); ``graphs`` counts the graphs
 torch.compile made. Text is trl_bench's synthetic sentences through a byte-level tokenizer (no hub).
@@ -75,7 +76,8 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         max_steps=steps,
         per_device_train_batch_size=args.batch,
         learning_rate=1e-5,
-        logging_steps=1,
+        logging_steps=args.logging_steps,
+        max_grad_norm=args.max_grad_norm,
         report_to=[],
         save_strategy="no",
         bf16=args.device == "cuda",
@@ -84,7 +86,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         disable_tqdm=True,
         seed=0,
     )
-    timer = step_timer(args.device)
+    timer = step_timer(args.device, args.warmup if args.profile else None)
     fp8 = (
         hf_fp8.Fp8TrainerCallback()
         if args.sample_layers is None
@@ -102,7 +104,9 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
     timed = timer.times[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return row(mode, args, statistics.median(timed), total_s - sum(timed), losses[-3:])
+    step_s = statistics.median(timed[2:] if args.profile else timed)  # not the profiled steps
+    result = row(mode, args, step_s, total_s - sum(timed), losses[-3:])
+    return {**result, **({"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {})}
 
 
 def loop_row(mode: str, args: argparse.Namespace) -> dict:
@@ -166,7 +170,7 @@ def row(mode: str, args: argparse.Namespace, step_s: float, warmup_s: float, las
 def sft_row(mode: str, args: argparse.Namespace) -> dict:
     import trl_bench
 
-    args.logging_steps, args.profile = 1, False
+    args.profile = False
     result = trl_bench.trainer_row(mode, args)
     return {**result, "graphs": compiled_graphs()}
 
@@ -217,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sample-layers", type=int, help="Fp8TrainerCallback(sample_layers=N) (default: the callback's)"
     )
+    parser.add_argument("--logging-steps", type=int, default=1, help="trainer rows' logging_steps")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="trainer rows' gradient clipping (0: none)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="trainer rows: GPU time by kernel kind, 2 steps after warm-up"
+    )
     parser.add_argument("--workdir", default="/tmp/trainer-bench")
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    results = run_modes_in_processes("trainer_bench.py", args, modes, ())
+    results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile",))
     print_table(results)
     return 0
 
