@@ -104,6 +104,8 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
     timed = timer.times[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # logging less often than every step may log no step loss: the run's mean then
+    losses = losses or [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
     step_s = statistics.median(timed[2:] if args.profile else timed)  # not the profiled steps
     result = row(mode, args, step_s, total_s - sum(timed), losses[-3:])
     return {**result, **({"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {})}
