@@ -1,5 +1,5 @@
 """Preference tuning with TRL's DPOTrainer in FP8: the policy trains in FP8, the frozen reference model
-runs its forwards in FP8 from weights stored in FP8 (the ``reference-fp8`` recipe).
+runs its forwards in FP8 as the policy does (``hf_fp8.prepare_reference``, with the policy's recipe).
 
     python examples/trl_dpo.py [--model PATH] [--steps 20] [--batch-size 4] [--seq-len 256]
                                [--reference bf16]
@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = model_and_tokenizer(p, args)
     reference, _ = model_and_tokenizer(p, args)
-    reference.requires_grad_(False)
     if args.reference == "fp8":
-        report = hf_fp8.patch_model(reference, "reference-fp8")
-        print(f"reference model: {len(report.converted)} FP8 layers, weights stored in FP8")
+        report = hf_fp8.prepare_reference(reference, args.recipe)
+        print(f"reference model: {len(report.converted)} FP8 layers, frozen")
+    else:
+        reference.requires_grad_(False)
     lines = shakespeare_lines(args.steps * args.batch_size + 64)
     pairs = [
         {"prompt": lines[i], "chosen": " " + lines[i + 1], "rejected": " " + lines[(i * 7 + 31) % len(lines)]}

@@ -319,7 +319,7 @@ RECIPE_PURPOSES: dict[str, str] = {
     "conservative": "margin 1, a binade of headroom: the first thing to try against overflow or loss spikes",
     "head-backward": "the fastest with hf_fp8.compile: the output head's backward in FP8, its logits in BF16",
     "lora-fp8": "LoRA: frozen base weights (MoE experts' too) stored in FP8, adapters in high precision",
-    "reference-fp8": "a frozen model that only runs forwards (DPO's reference): FP8 weights, FP8 in eval too",
+    "reference-fp8": "a frozen forward-only model (DPO's reference), half the memory: weights stored in FP8",
     "fsdp-fp8": "full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend)",
     "rowwise": "a scale per row of each GEMM operand, from its own amax (torchao's row-wise recipe)",
     "rowwise-gw-hp": "row-wise scales, the weight-gradient GEMM in high precision",

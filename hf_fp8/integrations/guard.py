@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_fp8.backends.scaling_index import ScalingIndex
 from hf_fp8.checks import check_model
+from hf_fp8.integrations.scaling_index import ScalingIndex
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
 from hf_fp8.numerics.host_copy import copy_to_host
 from hf_fp8.patching.patch_state import get_state, patched_module

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_fp8.backends.scaling_index import ScalingIndex
+from hf_fp8.integrations.scaling_index import ScalingIndex
 from hf_fp8.layers.layer_scaling import CountsCasts
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.numerics.host_copy import copy_to_host

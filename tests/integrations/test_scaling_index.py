@@ -6,7 +6,7 @@ import torch
 
 from hf_fp8 import patch_model, unpatch_model
 from hf_fp8.backends.registry import fp8_layers
-from hf_fp8.backends.scaling_index import ScalingIndex
+from hf_fp8.integrations.scaling_index import ScalingIndex
 
 
 def histories(index: ScalingIndex) -> list[torch.Tensor]:
