@@ -93,6 +93,12 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         else hf_fp8.Fp8TrainerCallback(sample_layers=args.sample_layers)
     )
     callbacks = [timer] + ([fp8] if "fp8" in mode else [])
+    tracer = None
+    if args.phases:
+        from phases import phase_tracer
+
+        tracer = phase_tracer(args.warmup)
+        callbacks.append(tracer)
     trainer = Trainer(
         model=model,
         args=training,
@@ -102,13 +108,19 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     trainer.train()
     total_s = time.perf_counter() - start
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
+    if tracer is not None:
+        tracer.close()
     timed = timer.times[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     # logging less often than every step may log no step loss: the run's mean then
     losses = losses or [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
-    step_s = statistics.median(timed[2:] if args.profile else timed)  # not the profiled steps
+    profiled = args.profile or args.phases
+    step_s = statistics.median(timed[2:] if profiled else timed)  # not the profiled steps
     result = row(mode, args, step_s, total_s - sum(timed), losses[-3:])
-    return {**result, **({"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {})}
+    extra = {"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {}
+    if tracer is not None and tracer.result is not None:
+        extra["phases"] = tracer.result
+    return {**result, **extra}
 
 
 def loop_row(mode: str, args: argparse.Namespace) -> dict:
@@ -230,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="trainer rows: GPU time by kernel kind, 2 steps after warm-up"
     )
+    parser.add_argument(
+        "--phases", action="store_true", help="trainer rows: GPU idle time by Trainer phase (phases.py)"
+    )
     parser.add_argument("--workdir", default="/tmp/trainer-bench")
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile",))
+    results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile", "phases"))
     print_table(results)
     return 0
 

@@ -184,3 +184,43 @@ def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
         assert cells[-1].strip().endswith("x)"), "hf-fp8's choice always runs"
     steps = [line for line in out.splitlines() if line.startswith("| FP8 ")]
     assert len(steps) == 4 and all(line.endswith("x |") for line in steps), out
+
+
+def test_phases_adds_up_the_gpus_idle_time_by_the_hosts_phase():
+    """``trainer_bench.py --phases`` (a GPU's profile): gaps between kernels over 20 us, by the phase the
+    host was in; kernels that overlap count once."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("phases", BENCHMARKS / "phases.py")
+    phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phases)
+
+    class Event(NamedTuple):
+        name: str
+        device_type: torch.autograd.DeviceType
+        time_range: object
+
+    class Span(NamedTuple):
+        start: float
+        end: float
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        Event("phase:forward", cpu, Span(0, 100)),
+        Event("phase:optimizer", cpu, Span(100, 200)),
+        Event("gemm", cuda, Span(0, 60)),
+        Event("cast", cuda, Span(50, 90)),  # overlaps the gemm
+        Event("adam", cuda, Span(150, 160)),  # a 60 us gap before it: 10 in forward, 50 in optimizer
+        Event("tiny", cuda, Span(170, 200)),  # a 10 us gap: not counted
+    ]
+
+    class Profile:
+        def events(self):
+            return events
+
+    result = phases.idle_by_phase(Profile(), steps=1)
+    assert result["gpu_idle_ms"] == {"forward": 0.01, "optimizer": 0.05}
+    assert result["gpu_busy_ms"] == pytest.approx((90 + 10 + 30) / 1e3)
+    assert result["host_ms"] == {"forward": 0.1, "optimizer": 0.1}
