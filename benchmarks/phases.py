@@ -18,12 +18,19 @@ _GAP_US = 20.0
 
 
 def phase_tracer(first_step: int):
-    """A TrainerCallback profiling steps ``first_step`` and ``first_step + 1`` (counted from 0), CPU and
-    CUDA, its phases marked; ``result`` then holds :func:`idle_by_phase`'s numbers. Built here: the
-    row imports transformers, not the driver."""
+    """A TrainerCallback profiling steps ``first_step`` and ``first_step + 1`` (counted from 0), host and
+    GPU (on a CPU only the host: no kernels, no idle time), its phases marked; ``result`` then holds
+    :func:`idle_by_phase`'s numbers. Built here: the row imports transformers, not the driver."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import TrainerCallback
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+
+    def _synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     class PhaseTracer(TrainerCallback):
         def __init__(self) -> None:
@@ -43,8 +50,8 @@ def phase_tracer(first_step: int):
 
         def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
             if self.steps == first_step:
-                torch.cuda.synchronize()
-                self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                _synchronize()
+                self._profiler = profile(activities=activities)
                 self._profiler.__enter__()
             if model is not None and not self._hooked:
                 model.register_forward_pre_hook(lambda *a: self._enter("forward"))
@@ -70,7 +77,7 @@ def phase_tracer(first_step: int):
             if self._range is not None:
                 self._range.__exit__(None, None, None)
                 self._range = None
-            torch.cuda.synchronize()
+            _synchronize()
             self._profiler.__exit__(None, None, None)
             self.result = idle_by_phase(self._profiler, 2)
             self._profiler = None

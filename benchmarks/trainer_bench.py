@@ -98,7 +98,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         from phases import phase_tracer
 
         tracer = phase_tracer(args.warmup)
-        callbacks.append(tracer)
+        callbacks.insert(0, tracer)  # its profile ends before the timer times the next step
     trainer = Trainer(
         model=model,
         args=training,
