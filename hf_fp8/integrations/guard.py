@@ -239,7 +239,7 @@ class Fp8NanGuard:
         model = self.model
         device = next(model.parameters()).device
         # under FSDP2 each rank checks its own shards (the flags are reduced below)
-        grads = [_own_part(p.grad) for p in model.parameters() if p.grad is not None]
+        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
         histories = [r.amax_history for r in self._index.roles()]
         finite = torch.tensor(True, device=device)
         losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
@@ -271,12 +271,6 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
-
-
-def _own_part(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient (see ``local_shard``); a plain gradient as it is (no detached
-    alias: the check runs without autograd, and a model has hundreds of them)."""
-    return grad if type(grad) is torch.Tensor and grad.numel() else local_shard(grad)
 
 
 def _stacked_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

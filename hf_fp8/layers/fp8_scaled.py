@@ -149,7 +149,9 @@ class Fp8Scaled(nn.Module):
 
     def take_replica_records(self) -> list[ReplicaRecord]:
         """What the replicas recorded since the last call."""
-        records, self.replica_records = self.replica_records, []
+        records = self.replica_records
+        if records:  # a new list only when there was something: every layer calls this every step
+            self.replica_records = []
         return records
 
     def remember_float_module(self, source: nn.Module) -> None:

@@ -19,13 +19,14 @@ __all__ = ["default_amax_group", "local_shard", "sync_amaxes"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``, detached: its shard when FSDP2 shards it, its partition while DeepSpeed
-    ZeRO-3 holds it partitioned (the parameter itself is then empty), else ``t``."""
+    """This rank's part of ``t``, to read without autograd: its shard when FSDP2 shards it, its partition
+    while DeepSpeed ZeRO-3 holds it partitioned (the parameter itself is then empty), else ``t`` itself
+    (no detached alias: callers read every weight or gradient of a model each step, hundreds of them)."""
     if isinstance(t, DTensor):
         return t.to_local().detach()
     if t.numel() == 0 and getattr(t, "ds_tensor", None) is not None:
         return _zero3_partition(t)
-    return t.detach()
+    return t
 
 
 def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
