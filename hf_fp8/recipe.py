@@ -77,6 +77,11 @@ class Fp8Recipe:
             there the grouped FP8 kernel itself is slower than BF16's), and the experts' FP8 costs loss. Under
             ``fp8_weights`` the experts convert whatever it says: frozen, they are stored in FP8 (half the
             memory, the point of that key).
+        forward_in_fp8: ``False`` keeps every converted layer's forward GEMM in high precision and runs its
+            two backward GEMMs in FP8 (native backend; tensorwise or block scaling). For losses made of
+            forward values that FP8's rounding would move, summed over many tokens: DPO's log-ratios of
+            a policy and its reference (SmolLM2-135M, 40 DPO steps on the CPU: loss within 0.1% of
+            BF16's, each step within 0.9%, against 4% and 8% with FP8 forwards).
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
         nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
             amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and
@@ -96,6 +101,7 @@ class Fp8Recipe:
     modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
     convert_lm_head: bool | str = False
     convert_experts: bool = False
+    forward_in_fp8: bool = True
     use_during_eval: bool = False
     nan_policy: NanPolicy = "raise"
 
@@ -114,6 +120,12 @@ class Fp8Recipe:
                 f"GEMMs in FP8, built for tensorwise and block scaling; scaling {self.scaling!r} scales by "
                 "row: use scaling 'delayed', 'current' or 'block', or convert_lm_head: true / false"
             )
+        if not self.forward_in_fp8 and not self.backward_only_fp8:
+            raise ValueError(
+                "forward_in_fp8: false keeps forwards in high precision and runs the backward GEMMs in FP8, "
+                f"built for tensorwise and block scaling; scaling {self.scaling!r} scales by row: use "
+                "scaling 'delayed', 'current' or 'block', or forward_in_fp8: true"
+            )
         if self.fp8_all_gather and not self.tensorwise:
             raise ValueError(
                 f"fp8_all_gather casts each weight with one scale before the all-gather; scaling "
@@ -130,7 +142,8 @@ class Fp8Recipe:
     @property
     def backward_only_fp8(self) -> bool:
         """Whether a layer can keep its forward GEMM in high precision and run only its two backward GEMMs
-        in FP8 (``convert_lm_head: backward``): tensorwise and block scaling, not row-wise."""
+        in FP8 (``convert_lm_head: backward``, ``forward_in_fp8: false``): tensorwise and block scaling,
+        not row-wise."""
         return self.tensorwise or self.scaling == "block"
 
     @property
@@ -304,6 +317,7 @@ RECIPES: dict[str, Fp8Recipe] = {
     "head-backward": Fp8Recipe(convert_lm_head="backward"),
     "lora-fp8": Fp8Recipe(fp8_weights=True, convert_experts=True),
     "reference-fp8": Fp8Recipe(fp8_weights=True, use_during_eval=True),
+    "backward-fp8": Fp8Recipe(forward_in_fp8=False),
     "fsdp-fp8": Fp8Recipe(fp8_all_gather=True),
     "rowwise": Fp8Recipe(format="e4m3", scaling="rowwise"),
     "rowwise-gw-hp": Fp8Recipe(format="e4m3", scaling="rowwise_gw_hp"),
@@ -320,6 +334,7 @@ RECIPE_PURPOSES: dict[str, str] = {
     "head-backward": "the fastest with hf_fp8.compile: the output head's backward in FP8, its logits in BF16",
     "lora-fp8": "LoRA: frozen base weights (MoE experts' too) stored in FP8, adapters in high precision",
     "reference-fp8": "a frozen forward-only model (DPO's reference), half the memory: weights stored in FP8",
+    "backward-fp8": "preference tuning (DPO): forwards in high precision, the backward's GEMMs in FP8",
     "fsdp-fp8": "full fine-tuning under FSDP2: weights all-gathered in FP8 (native backend)",
     "rowwise": "a scale per row of each GEMM operand, from its own amax (torchao's row-wise recipe)",
     "rowwise-gw-hp": "row-wise scales, the weight-gradient GEMM in high precision",

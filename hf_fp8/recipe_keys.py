@@ -115,6 +115,7 @@ _VALIDATORS = {
     "fp8_all_gather": _expect_bool,
     "modules_to_not_convert": _validate_patterns,
     "convert_lm_head": _validate_head,
+    "forward_in_fp8": _expect_bool,
     "use_during_eval": _expect_bool,
     "nan_policy": _choice(NanPolicy),
 }

@@ -234,6 +234,7 @@ def test_named_recipes_match_shipped_yaml_files():
             "block-head",
             "lora-fp8-block",
             "reference-fp8",
+            "backward-fp8",
         }
     )
     for name, path in files.items():

@@ -167,6 +167,7 @@ def _recipe_line(recipe) -> str:
         f"{recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}, "
         f"FP8 weight storage {'on' if recipe.fp8_weights else 'off'}, "
         f"output head {_head(recipe.convert_lm_head)}"
+        + ("" if recipe.forward_in_fp8 else ", forwards in high precision (backward GEMMs in FP8)")
     )
 
 

@@ -34,6 +34,7 @@ from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord
 __all__ = [
     "ALREADY_FP8",
     "EXPERTS_KEPT",
+    "FORWARD_KEPT",
     "HEAD_FORWARD_KEPT",
     "ModelContext",
     "excluded_by",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 ALREADY_FP8 = "already FP8 (patched before; unpatch_model first to change the recipe)"
+FORWARD_KEPT = "forward GEMM in high precision, dgrad and wgrad in FP8 (forward_in_fp8: false)"
 HEAD_FORWARD_KEPT = (
     "forward GEMM (the logits) in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)"
 )
@@ -191,6 +193,8 @@ def _linear_record(
         return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
     if recipe.convert_lm_head == "backward" and (tied or module is context.output_head):
         return result(CONVERTED, HEAD_FORWARD_KEPT, forward_in_fp8=False)
+    if not recipe.forward_in_fp8:
+        return result(CONVERTED, FORWARD_KEPT, forward_in_fp8=False)
     return result(CONVERTED)
 
 
@@ -212,6 +216,8 @@ def _experts_record(name: str, module: nn.Module, recipe: Fp8Recipe, context: Mo
         return result(SKIPPED, problem)
     if not recipe.enabled:
         return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
+    if not recipe.forward_in_fp8:
+        return result(SKIPPED, "forward_in_fp8: false: grouped expert GEMMs have no high-precision forward")
     if not (recipe.convert_experts or recipe.fp8_weights):
         return result(SKIPPED, EXPERTS_KEPT)
     return result(CONVERTED)

@@ -259,6 +259,28 @@ def test_dpo_with_an_fp8_reference_starts_at_ln_2(tmp_path):
     assert ts.logged(trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-4)
 
 
+def test_dpo_under_backward_fp8_scores_as_the_unpatched_policy(tmp_path):
+    """``backward-fp8``: forwards in high precision, so DPO's log-probs (and its loss) at the first step
+    are the unpatched run's to float rounding; the backward's GEMMs still run in FP8."""
+    runs = [
+        ts.run(
+            trl.DPOTrainer,
+            trl.DPOConfig,
+            tmp_path / str(fp8),
+            fp8,
+            recipe="backward-fp8" if fp8 else None,
+            ref_model=frozen_reference(fp8, "backward-fp8" if fp8 else None),
+            train_dataset=ts.preference_rows(),
+            config={},
+        )
+        for fp8 in (True, False)
+    ]
+    assert_trains_as_unpatched(*runs)
+    for key in ("logps/chosen", "logps/rejected", "loss"):
+        got, expected = ts.logged(runs[0][0], key)[0], ts.logged(runs[1][0], key)[0]
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
+
+
 def test_prepare_reference_freezes_the_model_and_takes_the_policys_recipe():
     model = ts.tiny_llama()
     report = hf_fp8.prepare_reference(model)

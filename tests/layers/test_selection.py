@@ -5,6 +5,7 @@ output head, shared modules, norms recognised by what they compute, and the repo
 import pytest
 import tiny_models as tm
 import torch
+from conftest import ScaledMmCalls
 from tiny_models import EXPECTED, counts
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -12,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8Recipe, is_patched, patch_model, unpatch_model
 from hf_fp8.layers.experts import Fp8Experts
-from hf_fp8.layers.selection import HEAD_FORWARD_KEPT
+from hf_fp8.layers.selection import FORWARD_KEPT, HEAD_FORWARD_KEPT
 from hf_fp8.patching.patch import plan_patch
 
 
@@ -123,6 +124,29 @@ def test_convert_lm_head_backward_keeps_the_logits_in_high_precision_and_says_so
     total = sum(r.gemm_flops for r in report.records)
     assert report.fp8_flop_share == pytest.approx(full.fp8_flop_share - record.gemm_flops / 3 / total)
     assert all(m.forward_in_fp8 for m in model.modules() if isinstance(m, Fp8Linear) and m is not head)
+
+
+def test_backward_fp8_keeps_every_forward_in_high_precision_and_its_outputs_exact():
+    """``forward_in_fp8: false`` (the ``backward-fp8`` recipe): every converted layer computes its forward
+    as the plain layer does, to the bit, and runs its backward GEMMs in FP8; the report says so."""
+    reference, model = tm.build("llama"), tm.build("llama")
+    report = patch_model(model, "backward-fp8")
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and not any(m.forward_in_fp8 for m in layers)
+    assert all(r.reason == FORWARD_KEPT for r in report.records if r.action == "converted")
+    batch = tm.batch_for("llama", 16, seed=0)
+    expected, got = reference(**batch), model(**batch)
+    assert torch.equal(got.logits, expected.logits), "forwards in high precision"
+    with ScaledMmCalls() as calls:
+        got.loss.backward()
+    assert calls.calls, "the backward's GEMMs ran in FP8"
+    expected.loss.backward()
+    weight = model.model.layers[0].mlp.up_proj.weight.grad.flatten()
+    exact = reference.model.layers[0].mlp.up_proj.weight.grad.flatten()
+    assert not torch.equal(weight, exact), "FP8 gradients"
+    assert torch.nn.functional.cosine_similarity(weight, exact, dim=0) > 0.99
+    with pytest.raises(ValueError, match=r"forward_in_fp8: false.*row"):
+        Fp8Recipe(forward_in_fp8=False, format="e4m3", scaling="rowwise")
 
 
 def test_a_head_whose_forward_stays_in_high_precision_is_not_stored_in_fp8():

@@ -22,6 +22,11 @@ def to_te_recipe(recipe: Fp8Recipe):
             "fp8_all_gather is built for the native backend's FSDP2 path; patch with backend='native', or "
             "leave fp8_all_gather off (TE modules are then all-gathered in their own dtype)"
         )
+    if not recipe.forward_in_fp8:
+        raise ValueError(
+            "forward_in_fp8: false (forwards in high precision, backward GEMMs in FP8) has no Transformer "
+            "Engine module; use backend='native', or forward_in_fp8: true"
+        )
     if recipe.convert_lm_head == "backward":
         raise ValueError(
             "convert_lm_head: backward (the head's forward GEMM in high precision, its backward in FP8) has "
