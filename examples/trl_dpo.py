@@ -1,5 +1,6 @@
-"""Preference tuning with TRL's DPOTrainer in FP8: the policy trains in FP8, the frozen reference model
-runs its forwards in FP8 as the policy does (``hf_fp8.prepare_reference``, with the policy's recipe).
+"""Preference tuning with TRL's DPOTrainer in FP8: the policy trains with the ``backward-fp8`` recipe
+(forwards in high precision, the backward's GEMMs in FP8: DPO's log-ratios carry no FP8 rounding), the
+frozen reference runs as the policy does (``hf_fp8.prepare_reference``, with the policy's recipe).
 
     python examples/trl_dpo.py [--model PATH] [--steps 20] [--batch-size 4] [--seq-len 256]
                                [--reference bf16]
@@ -19,6 +20,7 @@ import hf_fp8
 
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__, steps=20, batch_size=4, seq_len=256)
+    p.set_defaults(recipe="backward-fp8")
     p.add_argument(
         "--reference", choices=["fp8", "bf16"], default="fp8", help="the reference model's precision"
     )
