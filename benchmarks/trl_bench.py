@@ -3,7 +3,8 @@
     python benchmarks/trl_bench.py --shape 1b [--modes sft-bf16,sft-fp8,...] [--steps 8 --warmup 4]
 
 Rows: ``sft`` (SFTTrainer, packed rows of ``--seq`` tokens), ``dpo`` (DPOTrainer, a frozen reference
-model: BF16 for the BF16 row, ``hf_fp8.prepare_reference`` for the FP8 row; DPOConfig's learning rate),
+model: BF16 for the BF16 row, ``hf_fp8.prepare_reference`` for FP8 rows; ``dpo-fp8-backward`` with the
+``backward-fp8`` recipe, as the docs advise for DPO; DPOConfig's learning rate),
 ``grpo`` (GRPOTrainer generating with the model it trains, no vLLM), and ``generate``
 (``model.generate``, batch 8, 256 new tokens, greedy; ``-train`` rows in training mode, as GRPO calls
 it). ``-bf16`` rows run the model as loaded; ``-fp8`` rows add ``hf_fp8.Fp8TrainerCallback()`` and
@@ -33,6 +34,7 @@ MODES = (
     "sft-fp8",
     "dpo-bf16",
     "dpo-fp8",
+    "dpo-fp8-backward",
     "grpo-bf16",
     "grpo-fp8",
     "grpo-fp8-eager",
@@ -151,9 +153,9 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         seed=0,
     )
     timer = step_timer(args.device, args.warmup if args.profile else None)
-    callbacks = [timer] + (
-        [hf_fp8.Fp8TrainerCallback(compile=False if precision == "fp8-eager" else None)] if fp8 else []
-    )
+    recipe = "backward-fp8" if precision == "fp8-backward" else None
+    compiles = False if precision == "fp8-eager" else None
+    callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback(recipe, compile=compiles)] if fp8 else [])
     model, tokenizer = model_for(args), byte_tokenizer()
     if precision == "bf16-hfcompile":
         hf_fp8.compile(model)
@@ -179,7 +181,7 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         ]
         reference = model_for(args).requires_grad_(False)
         if fp8:
-            hf_fp8.prepare_reference(reference)
+            hf_fp8.prepare_reference(reference, recipe)
         # DPO's own learning rate (DPOConfig's default, 1e-6), as its users run it
         config = trl.DPOConfig(**{**common, "learning_rate": 1e-6}, max_length=args.seq)
         trainer = trl.DPOTrainer(
