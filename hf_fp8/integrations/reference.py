@@ -1,4 +1,5 @@
-"""``prepare_reference``: a frozen model that only runs forwards (DPO's reference model) in FP8.
+"""``prepare_reference``: a frozen model that only runs forwards (DPO's reference model), run as the
+FP8 policy beside it runs.
 
 A preference trainer (TRL's ``DPOTrainer``) runs a reference model beside the policy it trains and
 scores both on the same batches; its loss is a function of the difference of their log-probs, and at the
@@ -9,6 +10,8 @@ weights as the policy does. On one H200 at the Llama-3.2-1B shape (8 sequences o
 summed log-probs of an eager FP8 reference differed from the compiled policy's by up to 16 nats a
 sequence, those of a compiled reference with weights stored in FP8 (``reference-fp8``, cast once,
 outside the compiled graph) by up to 8, and a compiled reference casting as the policy does by none.
+With the ``backward-fp8`` recipe (forwards in high precision) the two forwards are the same high-precision
+computation, and DPO's log-ratios carry no FP8 rounding after the first step either.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ def prepare_reference(
     backend: str = "auto",
     compile: bool | None = None,
 ) -> PatchReport:
-    """Freeze ``model`` (no parameter requires a gradient), patch it to run its forwards in FP8 (in eval
-    mode too), and compile it block by block as the Trainer callback compiles the policy.
+    """Freeze ``model`` (no parameter requires a gradient), patch it with the policy's recipe (its
+    forwards as the policy's: in FP8, in eval mode too, or in high precision under ``backward-fp8``), and
+    compile it block by block as the Trainer callback compiles the policy.
 
     ``recipe`` is the policy's (``None``: the callback's default, the recipe ``hf-fp8 launch`` handed
     over, else the defaults); FP8 in eval mode is switched on. ``"reference-fp8"`` stores the weights in
@@ -52,7 +56,7 @@ def prepare_reference(
     model.requires_grad_(False)
     recipe = dataclasses.replace(as_recipe(recipe), use_during_eval=True)
     report = patch_model(model, recipe, backend=backend)
-    report.notes.append("a frozen reference model: its forwards run in FP8, its weights never train")
+    report.notes.append("a frozen reference model: its forwards run as the policy's, its weights never train")
     if compile or (compile is None and compiles_by_default(model, _fp8_device(model), sharded=False)):
         compile_model(model)
         report.notes.append("compiled block by block (hf_fp8.compile) by prepare_reference")
