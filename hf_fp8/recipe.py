@@ -81,7 +81,7 @@ class Fp8Recipe:
             two backward GEMMs in FP8 (native backend; tensorwise or block scaling). For losses made of
             forward values that FP8's rounding would move, summed over many tokens: DPO's log-ratios of
             a policy and its reference (SmolLM2-135M, 40 DPO steps on the CPU: loss within 0.1% of
-            BF16's, each step within 0.9%, against 4% and 8% with FP8 forwards).
+            float32's, each step within 0.9%, against 4% and 8% with FP8 forwards).
         use_during_eval: also run FP8 in eval mode (off by default: evaluation in high precision).
         nan_policy: what :class:`hf_fp8.Fp8TrainerCallback` does with a non-finite loss, gradient or
             amax: ``"raise"`` (stop, naming the layer), ``"skip_step"`` (drop the step's gradients and
