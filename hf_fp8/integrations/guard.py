@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_fp8.checks import check_model
 from hf_fp8.integrations.scaling_index import ScalingIndex
-from hf_fp8.numerics.amax_sync import default_amax_group, local_shard
+from hf_fp8.numerics.amax_sync import default_amax_group, gathered_on, local_shard
 from hf_fp8.numerics.host_copy import copy_to_host
 from hf_fp8.patching.patch_state import get_state, patched_module
 from hf_fp8.patching.step import discard_step, end_pending_step, scaling_snapshot, set_recipe
@@ -244,11 +244,13 @@ class Fp8NanGuard:
         finite = torch.tensor(True, device=device)
         losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
         loss_ok = torch.stack(losses).isfinite().all() if losses else finite
-        grad_norms = _stacked_on(torch._foreach_norm(grads), device) if grads else None
+        grad_norms = torch.stack(gathered_on(torch._foreach_norm(grads), device)) if grads else None
         grads_ok = grad_norms.isfinite().all() if grads else finite
         # max |amax| of each history, in a few fused kernels: NaN and inf survive it, nothing overflows
         amax_max = torch._foreach_norm(histories, ord=float("inf")) if histories else []
-        amaxes_ok = _stacked_on(amax_max, device).isfinite() if histories else finite.new_empty(0)
+        amaxes_ok = (
+            torch.stack(gathered_on(amax_max, device)).isfinite() if histories else finite.new_empty(0)
+        )
         bad = (~torch.cat([torch.stack([loss_ok, grads_ok]).to(device), amaxes_ok])).int()
         group = default_amax_group()
         if group is not None:
@@ -271,14 +273,6 @@ class Fp8NanGuard:
             seen = "the loss is finite" if self._losses else "the loss was not seen (the model returned none)"
             parts.append(f"non-finite gradients outside the FP8 layers (their amaxes are finite; {seen})")
         return "; ".join(parts)
-
-
-def _stacked_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``tensors`` (scalars) stacked on ``device``, each moved only when it lives elsewhere (a model
-    spread over several GPUs)."""
-    if all(t.device == device for t in tensors):
-        return torch.stack(tensors)
-    return torch.stack([t.to(device) for t in tensors])
 
 
 def _skips_on_device(optimizer: Any) -> bool:

@@ -15,7 +15,6 @@ each time.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from hf_fp8.backends.registry import fp8_layers
@@ -44,11 +43,6 @@ class ScalingIndex:
         """Every layer's roles, in layer order and each layer's role order (flat)."""
         self._refresh()
         return self._roles
-
-    def on_one_device(self) -> torch.device | None:
-        """The device of every role's state when they share one (else ``None``)."""
-        devices = {role.scale.device for role in self.roles()}
-        return next(iter(devices)) if len(devices) == 1 else None
 
     def _refresh(self) -> None:
         if self._key is not None and self._key == self._current_key():

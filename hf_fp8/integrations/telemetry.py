@@ -29,6 +29,7 @@ from torch import nn
 from hf_fp8.integrations.scaling_index import ScalingIndex
 from hf_fp8.layers.layer_scaling import CountsCasts
 from hf_fp8.module_tree import repeated_blocks
+from hf_fp8.numerics.amax_sync import gathered_on
 from hf_fp8.numerics.host_copy import copy_to_host
 
 __all__ = ["Fp8Telemetry", "StagedLogs"]
@@ -117,22 +118,20 @@ class Fp8Telemetry:
         the whole model, however many layers it has."""
         roles = self._index.roles()
         device = next((r.scale.device for r in roles), torch.device("cpu"))
-        together = self._index.on_one_device() is not None  # else each moved to ``device`` first
         parts = []
         for direction in _DIRECTIONS:
             mine = [r for r in roles if r.direction == direction]
             if not mine:
                 parts.append(torch.full((_PER_DIRECTION,), float("nan"), device=device))
                 continue
-            scales = [r.scale.reshape(1) for r in mine]
-            s = torch.cat(scales if together else [t.to(device) for t in scales]).float()
+            s = torch.cat(gathered_on([r.scale.reshape(1) for r in mine], device)).float()
             stepped = s > 0
             kept = torch.where(stepped, s, float("nan"))
             stats = [kept.nan_to_num(float("inf")).min(), kept.nanmedian(), s.max()]
             # amaxes are >= 0: the infinity norm of each history's first rows (this step's newest amax,
             # or the one just rolled into slot 1) is its largest newest amax
             newest = torch._foreach_norm([r.amax_history[:2] for r in mine], ord=float("inf"))
-            amax = torch.stack(newest if together else [a.to(device) for a in newest]).float().max()
+            amax = torch.stack(gathered_on(newest, device)).float().max()
             parts.append(torch.stack([*stats, stepped.sum().float(), amax]))
         return parts
 

@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["default_amax_group", "local_shard", "sync_amaxes"]
+__all__ = [
+    "default_amax_group",
+    "gathered_on",
+    "local_shard",
+    "sync_amaxes",
+]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +45,14 @@ def _zero3_partition(param: torch.Tensor) -> torch.Tensor:
     if partition.numel() < held or hasattr(param, "ds_quant_scale") or not partition.is_floating_point():
         return partition.new_empty(0)
     return partition.detach().narrow(0, 0, held)
+
+
+def gathered_on(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``, each moved only where it lives elsewhere (a model spread over several
+    GPUs): for a model on one device, no call per tensor (hundreds, at every step)."""
+    if all(t.device == device for t in tensors):
+        return list(tensors)
+    return [t.to(device) for t in tensors]
 
 
 def default_amax_group() -> dist.ProcessGroup | None:

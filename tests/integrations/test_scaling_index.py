@@ -21,7 +21,6 @@ def test_the_index_is_every_layers_roles_and_is_kept_between_steps():
     assert len(index.roles()) == len(expected) > 0
     assert all(torch.equal(a, b) for a, b in zip(histories(index), expected, strict=True))
     assert index.roles() is index.roles(), "found once"
-    assert index.on_one_device() == torch.device("cpu")
 
 
 def test_a_move_or_a_new_patch_finds_the_layers_again():
@@ -42,3 +41,15 @@ def test_a_move_or_a_new_patch_finds_the_layers_again():
     history = index.roles()[0].amax_history
     history.fill_(3.0)  # the index's views are the live state
     assert float(next(fp8_layers(model)).module.amax_history[0, 0]) == 3.0
+
+
+def test_scalars_are_gathered_on_one_device_and_moved_only_where_elsewhere():
+    """What the guard and the telemetry stack every step: a model on one device hands its tensors back
+    as they are; one spread over devices has the others moved."""
+    from hf_fp8.numerics.amax_sync import gathered_on
+
+    here = [torch.tensor(1.0), torch.tensor(2.0)]
+    kept = gathered_on(here, torch.device("cpu"))
+    assert all(a is b for a, b in zip(kept, here, strict=True))
+    moved = gathered_on([*here, torch.empty((), device="meta")], torch.device("meta"))
+    assert all(t.is_meta for t in moved)
