@@ -49,6 +49,8 @@ def phase_tracer(first_step: int):
             self._range.__enter__()
 
         def on_step_begin(self, args, state, control, model=None, **kwargs) -> None:
+            if self.steps == first_step + 2:  # the profiled steps and their logs are over
+                self.close()
             if self.steps == first_step:
                 _synchronize()
                 self._profiler = profile(activities=activities)
@@ -82,16 +84,7 @@ def phase_tracer(first_step: int):
             self.result = idle_by_phase(self._profiler, 2)
             self._profiler = None
 
-    tracer = PhaseTracer()
-    begin = tracer.on_step_begin
-
-    def on_step_begin(args, state, control, **kwargs) -> None:
-        if tracer.steps == first_step + 2:
-            tracer.close()
-        begin(args, state, control, **kwargs)
-
-    tracer.on_step_begin = on_step_begin
-    return tracer
+    return PhaseTracer()
 
 
 def idle_by_phase(prof: Any, steps: int) -> dict[str, Any]:
