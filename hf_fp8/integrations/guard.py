@@ -241,7 +241,7 @@ class Fp8NanGuard:
         # under FSDP2 each rank checks its own shards (the flags are reduced below)
         grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
         histories = [r.amax_history for r in self._index.roles()]
-        finite = torch.tensor(True, device=device)
+        finite = torch.ones((), dtype=torch.bool, device=device)  # torch.tensor would wait for the GPU
         losses = [loss.to(device) for loss in self._losses]  # a model spread over GPUs: one device
         loss_ok = torch.stack(losses).isfinite().all() if losses else finite
         grad_norms = torch.stack(gathered_on(torch._foreach_norm(grads), device)) if grads else None

@@ -96,3 +96,36 @@ def test_gpu_callback_compiles_by_default_and_trains(text_rows, tmp_path):
         callbacks=[Fp8TrainerCallback(compile=False)],
     )
     assert all(block._compiled_call_impl is None for block in eager.model.model.layers)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_step_end_guard_and_telemetry_never_wait_for_the_gpu():
+    """What hf-fp8 adds to a training step (the step's end, the NaN guard's check with a fused optimizer,
+    the telemetry) queues work without waiting for the device: a wait there leaves the GPU idle while
+    the host catches up. After the first steps (which read back which scales exist), CUDA's sync debug
+    mode raises at any synchronizing call."""
+    from hf_fp8 import Fp8NanGuard, patch_model
+    from hf_fp8.integrations.telemetry import Fp8Telemetry
+
+    model = tm.build("llama", seed=0).cuda()
+    patch_model(model, backend="native")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    guard = Fp8NanGuard(model, optimizer=optimizer)
+    telemetry = Fp8Telemetry(model, sample_layers=4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), device="cuda")
+    staged = []
+    for step in range(6):
+        telemetry.arm()
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.set_sync_debug_mode("error" if step >= 4 else "default")
+        try:
+            loss.backward()
+            assert guard.check(step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            staged.append(telemetry.stage())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    guard.flush()
+    logs = staged[-1].read()
+    assert logs["fp8/scale_fwd_max"] > 0 and logs["fp8/scale_bwd_max"] > 0
