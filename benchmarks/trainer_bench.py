@@ -99,6 +99,12 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
 
         tracer = phase_tracer(args.warmup)
         callbacks.insert(0, tracer)  # its profile ends before the timer times the next step
+    host = None
+    if args.host_profile:
+        from host_profile import host_profiler
+
+        host = host_profiler(args.warmup)
+        callbacks.insert(0, host)
     trainer = Trainer(
         model=model,
         args=training,
@@ -108,18 +114,21 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     trainer.train()
     total_s = time.perf_counter() - start
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
-    if tracer is not None:
-        tracer.close()
+    for profiler in (tracer, host):
+        if profiler is not None:
+            profiler.close()
     timed = timer.times[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     # logging less often than every step may log no step loss: the run's mean then
     losses = losses or [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
-    profiled = args.profile or args.phases
+    profiled = args.profile or args.phases or args.host_profile
     step_s = statistics.median(timed[2:] if profiled else timed)  # not the profiled steps
     result = row(mode, args, step_s, total_s - sum(timed), losses[-3:])
     extra = {"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {}
     if tracer is not None and tracer.result is not None:
         extra["phases"] = tracer.result
+    if host is not None and host.result is not None:
+        extra["host"] = host.result
     return {**result, **extra}
 
 
@@ -245,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases", action="store_true", help="trainer rows: GPU idle time by Trainer phase (phases.py)"
     )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="trainer rows: host time by Python function, 2 steps after warm-up (host_profile.py)",
+    )
     parser.add_argument("--workdir", default="/tmp/trainer-bench")
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -258,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile", "phases"))
+    results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile", "phases", "host_profile"))
     print_table(results)
     return 0
 

@@ -156,6 +156,12 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     recipe = "backward-fp8" if precision == "fp8-backward" else None
     compiles = False if precision == "fp8-eager" else None
     callbacks = [timer] + ([hf_fp8.Fp8TrainerCallback(recipe, compile=compiles)] if fp8 else [])
+    host = None
+    if args.host_profile:
+        from host_profile import host_profiler
+
+        host = host_profiler(args.warmup)
+        callbacks.insert(0, host)
     model, tokenizer = model_for(args), byte_tokenizer()
     if precision == "bf16-hfcompile":
         hf_fp8.compile(model)
@@ -213,6 +219,8 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     trainer.train()
     total_s = time.perf_counter() - start
     print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)  # where the warm-up went
+    if host is not None:
+        host.close()
     timed = timer.times[args.warmup :]
     logs = [h for h in trainer.state.log_history if "loss" in h]
     tokens = [
@@ -221,9 +229,11 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     tokens_per_step = (
         statistics.mean(tokens[-args.steps :]) if tokens else logs[-1]["num_tokens"] / logs[-1]["step"]
     )
-    step_s = statistics.median(t for i, t in enumerate(timed) if not (args.profile and i < 2))
+    profiled = args.profile or args.host_profile
+    step_s = statistics.median(t for i, t in enumerate(timed) if not (profiled and i < 2))
     return {
         **({"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {}),
+        **({"host": host.result} if host is not None and host.result is not None else {}),
         "mode": mode,
         "shape": args.shape,
         "ms_per_step": step_s * 1e3,
@@ -327,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also break two steps' GPU time down by kernel kind (untimed)"
     )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="trainer rows: host time by Python function, 2 steps after warm-up (host_profile.py)",
+    )
     parser.add_argument("--workdir", default="/tmp/trl-bench")
     parser.add_argument("--one", help="run this one mode here (the driver runs each in a process)")
     parser.add_argument("--out", help="append JSON lines here")
@@ -340,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if unknown := sorted(set(modes) - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    results = run_modes_in_processes("trl_bench.py", args, modes, ("profile",))
+    results = run_modes_in_processes("trl_bench.py", args, modes, ("profile", "host_profile"))
     print_table(results)
     return 0
 

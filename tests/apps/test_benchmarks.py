@@ -224,3 +224,31 @@ def test_phases_adds_up_the_gpus_idle_time_by_the_hosts_phase():
     assert result["gpu_idle_ms"] == {"forward": 0.01, "optimizer": 0.05}
     assert result["gpu_busy_ms"] == pytest.approx((90 + 10 + 30) / 1e3)
     assert result["host_ms"] == {"forward": 0.1, "optimizer": 0.1}
+
+
+def test_host_profile_ranks_functions_by_time_per_step():
+    """``--host-profile``: per step, the functions with the most time of their own, and hf_fp8's by the
+    time with what they call."""
+    import cProfile
+    import importlib.util
+    import pstats
+
+    spec = importlib.util.spec_from_file_location("host_profile", BENCHMARKS / "host_profile.py")
+    host_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_profile)
+
+    def busy(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2):  # two steps
+        busy(200_000)
+        busy(10)
+    profile.disable()
+    rows = host_profile.top_functions(pstats.Stats(profile), steps=2, key="total_ms")
+    mine = next(r for r in rows if r["function"].endswith("(busy)"))
+    assert mine["calls"] == 2  # four calls over two steps
+    assert rows.index(mine) < 3 and mine["total_ms"] > mine["self_ms"] > 0
+    own = host_profile.top_functions(pstats.Stats(profile), 2, "total_ms", within="test_benchmarks.py")
+    assert own and all("test_benchmarks.py" in r["function"] for r in own)
