@@ -1,0 +1,434 @@
+"""FP8 against BF16 over thousands of steps on real text, one command on one GPU (issue 46).
+
+    python benchmarks/convergence.py --folder runs/convergence        # every run, then the plots
+    python benchmarks/convergence.py --folder runs/convergence --plot # the plots and the table again
+
+A Llama of ``--shape`` (``350m``: 24 layers 1024 wide, 384M parameters with its own output head) from
+its config, trained from scratch on :mod:`corpus` (the Python sources of the machine's packages
+and Shakespeare, tokenized with the demo's SmolLM2 tokenizer; about 1% of the files held out). Every
+run is a process of its own on the same batches in the same order, from the same initial weights:
+float32 master weights under BF16 autocast, fused AdamW with a linear warm-up and a cosine decay,
+gradients clipped at 1.0, the model compiled block by block with ``hf_fp8.compile`` (the BF16 run too:
+the same compile). ``bf16`` is the baseline; every other run names a recipe (``default``: the default
+one), patched with ``patch_model`` and guarded with ``Fp8NanGuard`` as a user's loop would be.
+
+Each run writes ``<folder>/<run>.jsonl``: the training loss of every step, the held-out loss every
+``--eval-every`` steps, and FP8 telemetry every ``--telemetry-every`` steps (per layer and role: the
+scale and the fractions of values saturated and flushed to zero). The table compares the final
+training loss (the mean of the last 5% of steps) and the held-out perplexity with BF16's, and counts
+loss spikes (a step more than ``--spike`` above the median of the 50 before it); ``--plot`` draws
+``loss.png``, ``ratio.png`` (each run's smoothed loss over BF16's) and ``telemetry.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RUNS = ("bf16", "default", "head-backward", "block", "block-head", "rowwise")
+SHAPES = {
+    "350m": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
+_FINAL_SHARE = 0.05  # the final loss: the mean over this last share of the steps
+_SPIKE_WINDOW = 50
+
+
+# ---- the data -------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: str):
+    """``smollm2``: the demo's tokenizer (``hf_fp8.assets``); ``bytes``: a byte-level one (CPU smoke
+    tests); else a folder holding a tokenizer."""
+    from transformers import AutoTokenizer
+
+    if spec == "bytes":
+        from trl_bench import byte_tokenizer
+
+        return byte_tokenizer()
+    if spec == "smollm2":
+        from hf_fp8.assets import smollm2_path
+
+        spec = str(smollm2_path())
+    return AutoTokenizer.from_pretrained(spec)
+
+
+def load_corpus(args: argparse.Namespace):
+    """The corpus (built and cached at first use), for ``args.tokenizer`` and ``args.max_files``."""
+    from corpus import build_corpus, python_sources, shakespeare_texts
+    from hf_fp8.assets import cache_dir
+
+    documents = None
+    if args.max_files:  # a small corpus for smoke tests: the first files only
+        sources = python_sources()[: args.max_files]
+        documents = [(n, p.read_text(encoding="utf-8", errors="replace")) for n, p in sources]
+        documents += shakespeare_texts()[:1]
+    tokenizer = load_tokenizer(args.tokenizer)
+    return build_corpus(tokenizer, args.tokenizer, cache_dir(), documents, args.held_out_share)
+
+
+def window_starts(length: int, args: argparse.Namespace):
+    """The start of every training window, ``(steps, batch)``, drawn once from ``args.seed``: every run
+    sees the same batches in the same order."""
+    import torch
+
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, length - args.seq, (args.steps, args.batch), generator=generator)
+
+
+def held_out_windows(held_out, args: argparse.Namespace):
+    """``--eval-batches`` batches of evenly spaced windows of the held-out split."""
+    import torch
+
+    count = args.eval_batches * args.batch
+    starts = torch.linspace(0, len(held_out) - args.seq - 1, count).long().tolist()
+    windows = torch.stack([held_out[s : s + args.seq].long() for s in starts])
+    return list(windows.split(args.batch))
+
+
+# ---- one run --------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, vocab_size: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=-(-vocab_size // 64) * 64,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,  # an output head of its own: the head recipes differ
+        **SHAPES[args.shape],
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        return LlamaForCausalLM(config).train()
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """The multiplier of ``--lr`` at ``step``: linear warm-up, then a cosine decay to a tenth."""
+    warmup = max(1, int(args.steps * args.warmup_share))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def run_one(run: str, args: argparse.Namespace) -> dict:
+    """Train one run, writing its curve to ``<folder>/<run>.jsonl``; returns its summary."""
+    import torch
+
+    import hf_fp8
+
+    corpus = load_corpus(args)
+    device = torch.device(args.device)
+    model = build_model(args, corpus.vocab_size)
+    fp8 = run != "bf16"
+    report = hf_fp8.patch_model(model, None if run == "default" else run) if fp8 else None
+    if args.compile:
+        hf_fp8.compile(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate(s, args))
+    guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer) if fp8 else None
+    telemetry = hf_fp8.Fp8Telemetry(model, sample_layers=10**6) if fp8 else None
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.autocast == "bf16")
+    starts, held_out = window_starts(len(corpus.train), args), held_out_windows(corpus.held_out, args)
+    curve = Path(args.folder) / f"{run}.jsonl"
+    curve.parent.mkdir(parents=True, exist_ok=True)
+    curve.write_text(json.dumps({"run": run, "corpus": corpus.describe(), "args": vars(args)}) + "\n")
+    losses, pending, step_ms = [], [], []
+    begin = chunk_begin = time.perf_counter()
+    for step in range(args.steps):
+        watched = telemetry is not None and (step + 1) % args.telemetry_every == 0
+        if watched:
+            telemetry.arm()
+        ids = torch.stack([corpus.train[s : s + args.seq].long() for s in starts[step].tolist()]).to(device)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if guard is None or guard.check(step=step + 1):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        pending.append(loss.detach())
+        if watched:
+            _write(curve, {"step": step + 1, "layers": layer_telemetry(telemetry)})
+            _write(curve, {"step": step + 1, "telemetry": telemetry.stage().read()})
+        if len(pending) == args.log_every or step + 1 == args.steps:
+            values = torch.stack(pending).float().tolist()  # one wait for the device per chunk
+            step_ms.append((time.perf_counter() - chunk_begin) * 1e3 / len(pending))
+            losses += values
+            _write(curve, {"step": step + 1, "losses": values})
+            pending = []
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            held = evaluate(model, held_out, autocast, device)
+            _write(curve, {"step": step + 1, "held_out_loss": held})
+        if not pending:
+            chunk_begin = time.perf_counter()
+    if guard is not None:
+        guard.flush()
+    seconds = time.perf_counter() - begin
+    final = statistics.mean(losses[-max(1, int(len(losses) * _FINAL_SHARE)) :])
+    summary = {
+        "run": run,
+        "shape": args.shape,
+        "steps": args.steps,
+        "tokens": args.steps * args.batch * args.seq,
+        "final_loss": final,
+        "held_out_loss": held,
+        "held_out_ppl": math.exp(held),
+        "spikes": spikes(losses, args.spike),
+        "seconds": seconds,
+        # the chunks after the first (compilation), telemetry and evaluation steps included
+        "ms_per_step": statistics.median(step_ms[1:] or step_ms),
+        "corpus": corpus.describe(),
+        "fp8_flop_share": report.fp8_flop_share if report is not None else 0.0,
+        "high_precision": {r.name: r.reason for r in report.skipped} if report is not None else {},
+    }
+    _write(curve, {"summary": summary})
+    return summary
+
+
+def evaluate(model, batches, autocast, device) -> float:
+    """The mean loss over the held-out ``batches``, in eval mode."""
+    import torch
+
+    model.eval()
+    with torch.no_grad(), autocast:
+        total = sum(model(input_ids=b.to(device), labels=b.to(device)).loss.float() for b in batches)
+    model.train()
+    return float(total / len(batches))
+
+
+def layer_telemetry(telemetry) -> dict[str, dict[str, list[float]]]:
+    """Per sampled FP8 layer and role, ``[scale, saturated fraction, flushed fraction]`` of the step just
+    finished (its casts counted since :meth:`Fp8Telemetry.arm`)."""
+    rows = {}
+    for name, module in telemetry.sampled:
+        if module.cast_counts is None:
+            continue
+        counts, scales = module.cast_counts.double().tolist(), module.scale.float().tolist()
+        rows[name] = {
+            role: [scale, saturated / total if total else 0.0, flushed / total if total else 0.0]
+            for role, scale, (total, saturated, flushed) in zip(
+                module.ROLE_NAMES, scales, counts, strict=True
+            )
+        }
+    return rows
+
+
+def spikes(losses: list[float], threshold: float) -> list[int]:
+    """The steps (from 1) whose loss exceeds the median of the ``_SPIKE_WINDOW`` before it by more than
+    ``threshold`` (a fraction), or is not finite."""
+    found = []
+    for i in range(_SPIKE_WINDOW, len(losses)):
+        before = statistics.median(losses[i - _SPIKE_WINDOW : i])
+        if not math.isfinite(losses[i]) or losses[i] > before * (1 + threshold):
+            found.append(i + 1)
+    return found
+
+
+def _write(path: Path, line: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+# ---- the table and the plots ----------------------------------------------------------------------
+
+
+def read_curve(path: Path) -> dict:
+    """A run's ``.jsonl``: its losses by step, held-out losses, telemetry lines and summary."""
+    curve = {"losses": [], "held_out": [], "telemetry": [], "summary": None}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if "losses" in entry:
+            curve["losses"] += entry["losses"]
+        elif "held_out_loss" in entry:
+            curve["held_out"].append((entry["step"], entry["held_out_loss"]))
+        elif "telemetry" in entry:
+            curve["telemetry"].append((entry["step"], entry["telemetry"]))
+        elif "summary" in entry:
+            curve["summary"] = entry["summary"]
+    return curve
+
+
+def table(summaries: list[dict], bounds: tuple[float, float] = (0.5, 1.0)) -> str:
+    """Markdown: each run's final training loss and held-out perplexity against BF16's, its spikes, and
+    whether it holds issue 46's bounds (``bounds``: % of the loss, % of the perplexity)."""
+    base = next((s for s in summaries if s["run"] == "bf16"), None)
+    lines = [
+        "| run | final train loss | vs BF16 | held-out ppl | vs BF16 | spikes (first) | ms a step "
+        "| within bounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        if "error" in s:
+            lines.append(f"| {s['run']} | error: {s['error'][:80]} |||||||")
+            continue
+        loss_gap = 100 * (s["final_loss"] / base["final_loss"] - 1) if base else float("nan")
+        ppl_gap = 100 * (s["held_out_ppl"] / base["held_out_ppl"] - 1) if base else float("nan")
+        extra = sorted(set(s["spikes"]) - set(base["spikes"] if base else []))
+        spike = f"{len(s['spikes'])} ({s['spikes'][0]})" if s["spikes"] else "0"
+        holds = s is base or (abs(loss_gap) <= bounds[0] and abs(ppl_gap) <= bounds[1] and not extra)
+        lines.append(
+            f"| {s['run']} | {s['final_loss']:.4f} | {loss_gap:+.2f}% | {s['held_out_ppl']:.3f} | "
+            f"{ppl_gap:+.2f}% | {spike} | {s['ms_per_step']:.0f} | {'yes' if holds else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """The trailing mean over ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
+    """``loss.png``, ``ratio.png`` and (with FP8 telemetry) ``telemetry.png`` in ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run, curve in curves.items():
+        steps = range(1, len(curve["losses"]) + 1)
+        (line,) = ax.plot(steps, smoothed(curve["losses"], window), label=run, linewidth=1)
+        if curve["held_out"]:
+            ax.plot(*zip(*curve["held_out"], strict=True), "o", color=line.get_color(), markersize=3)
+    ax.set(xlabel="step", ylabel=f"training loss (mean of {window} steps); dots: held-out", yscale="log")
+    ax.legend()
+    written.append(_save(fig, folder / "loss.png"))
+    base = curves.get("bf16")
+    if base is not None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        reference = smoothed(base["losses"], window)
+        for run, curve in curves.items():
+            if run == "bf16":
+                continue
+            ours = smoothed(curve["losses"], window)
+            gaps = [100 * (a / b - 1) for a, b in zip(ours, reference, strict=False)]
+            ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=1)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set(xlabel="step", ylabel=f"loss vs BF16, % (mean of {window} steps)")
+        ax.legend()
+        written.append(_save(fig, folder / "ratio.png"))
+    watched = {run: c["telemetry"] for run, c in curves.items() if c["telemetry"]}
+    if watched:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for run, entries in watched.items():
+            steps = [step for step, _ in entries]
+            for ax, key in zip(axes, ("saturated", "flushed"), strict=True):
+                for direction, style in (("fwd", "-"), ("bwd", "--")):
+                    values = [logs.get(f"fp8/{key}_{direction}", float("nan")) for _, logs in entries]
+                    ax.plot(steps, values, style, label=f"{run} {direction}", linewidth=1)
+        for ax, key in zip(axes, ("saturated", "flushed"), strict=True):
+            ax.set(xlabel="step", ylabel=f"fraction of values {key}", yscale="symlog", ylim=(0, None))
+            ax.set_yscale("symlog", linthresh=1e-6)
+            ax.legend(fontsize=7)
+        written.append(_save(fig, folder / "telemetry.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def report(folder: Path, runs: list[str], window: int) -> str:
+    """The table and the plots from the runs' files in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    curves = {r: read_curve(folder / f"{r}.jsonl") for r in runs if (folder / f"{r}.jsonl").is_file()}
+    summaries = [
+        curves[r]["summary"] if r in curves and curves[r]["summary"] else {"run": r, "error": "no summary"}
+        for r in runs
+    ]
+    plot(folder, curves, window)
+    text = table(summaries)
+    (folder / "table.md").write_text(text + "\n")
+    return text
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", required=True, help="where each run's curve, the plots and the table go")
+    parser.add_argument("--runs", default=",".join(RUNS), help="bf16 and recipe names ('default')")
+    parser.add_argument("--shape", default="350m", choices=sorted(SHAPES))
+    parser.add_argument("--steps", type=int, default=3200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-share", type=float, default=0.03, help="of the steps, the lr warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--autocast", default="bf16", choices=("bf16", "none"))
+    parser.add_argument("--compile", type=int, default=1, help="hf_fp8.compile every run (1) or none (0)")
+    parser.add_argument("--tokenizer", default="smollm2", help="smollm2, bytes or a tokenizer folder")
+    parser.add_argument("--max-files", type=int, default=0, help="a corpus of the first N files (tests)")
+    parser.add_argument("--held-out-share", type=float, default=0.01, help="of the files, held out")
+    parser.add_argument("--log-every", type=int, default=50, help="steps between loss reads")
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--telemetry-every", type=int, default=100)
+    parser.add_argument("--spike", type=float, default=0.2, help="a spike: this much over the recent median")
+    parser.add_argument("--smooth", type=int, default=50, help="the plots' moving average, in steps")
+    parser.add_argument("--plot", action="store_true", help="only draw the plots and the table again")
+    parser.add_argument("--one", help="train this one run here (the driver runs each in a process)")
+    parser.add_argument("--out", help="append the summary's JSON line here")
+    args = parser.parse_args(argv)
+    from processes import append_result, run_modes_in_processes
+
+    runs = args.runs.split(",")
+    if unknown := sorted(set(runs) - {"bf16", "default", *_recipe_names()}):
+        parser.error(f"unknown runs {unknown}: bf16, default or a named recipe")
+    if args.one:
+        append_result(run_one(args.one, args), args.out)
+        return 0
+    if not args.plot:
+        print(load_corpus(args).describe(), flush=True)  # built once, here, before the runs read it
+        run_modes_in_processes("convergence.py", args, runs, ("plot",))
+    print(report(Path(args.folder), runs, args.smooth))
+    return 0
+
+
+def _recipe_names() -> list[str]:
+    from hf_fp8.recipe import RECIPES
+
+    return list(RECIPES)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
