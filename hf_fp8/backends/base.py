@@ -73,6 +73,8 @@ class Fp8Backend(ABC):
     # Whether a patch of this backend can move to a module inside the patched model (PEFT's
     # merge_and_unload returns the base model of the PeftModel that was patched).
     movable: ClassVar[bool] = False
+    # Whether fuse() fuses whole blocks (a module_filter_fn turns that off: it decides layer by layer).
+    fuses_blocks: ClassVar[bool] = False
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         self.recipe = recipe

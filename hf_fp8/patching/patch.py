@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,11 @@ __all__ = ["is_patched", "move_patch", "patch_model", "plan_patch", "unpatch_mod
 
 _NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm (1 + w)")
 
+# ``module_filter_fn(module, fqn)``: whether a module the recipe would convert converts (torchao's
+# convention for this hook).
+ModuleFilter = Callable[[nn.Module, str], bool]
+FILTERED = "module_filter_fn returned False"
+
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``patch_model`` has been applied to ``model`` (and not undone)."""
@@ -58,6 +64,7 @@ def patch_model(
     backend: str = "auto",
     fuse: bool = True,
     amax_group: Any = None,
+    module_filter_fn: ModuleFilter | None = None,
 ) -> PatchReport:
     """Convert ``model`` to FP8 in place and return the report of what was converted.
 
@@ -72,25 +79,30 @@ def patch_model(
         fuse: fuse whole blocks where the backend knows how (TE: Llama-family decoder blocks).
         amax_group: the data-parallel process group over which amaxes are reduced (one all-reduce a
             step); ``None`` uses the world group whenever ``torch.distributed`` is initialised.
+        module_filter_fn: ``f(module, fqn) -> bool``, asked for each module the recipe would convert
+            (by its dotted name in ``model``); ``False`` keeps it in high precision, and the report says
+            so. Beside the recipe's ``exclude`` patterns, for what a pattern cannot say (a shape, a
+            class). With a filter, no block is fused (TE): each layer is converted on its own.
 
     On any error the model is restored to what it was and the error names the module. A model that is
     already patched keeps its patch (a different recipe or backend asked for is warned about).
     """
     check_model(model, "patch_model")
     check_amax_group(amax_group)
+    _check_filter(module_filter_fn, "patch_model")
     asked = recipe
     recipe = as_recipe(recipe)
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
         stage, _ = _check_zero(model, state.recipe, state.backend.name)  # patched before DeepSpeed showed
-        report = _walk(model, state.backend, convert=False)[0]
+        report = _walk(model, state.backend, convert=False, module_filter_fn=state.module_filter_fn)[0]
         if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
-        report = _walk(model, NativeBackend(recipe), convert=False)[0]
+        report = _walk(model, NativeBackend(recipe), convert=False, module_filter_fn=module_filter_fn)[0]
         report.backend = "none"
         return report
     stage, backend = _check_zero(model, recipe, backend)  # refuses before the model changes
@@ -99,15 +111,26 @@ def patch_model(
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
     )
     chosen = chosen_class(recipe)
-    report, replaced, handles = _walk(model, chosen, convert=True, fuse=fuse)
+    report, replaced, handles = _walk(
+        model, chosen, convert=True, fuse=fuse and module_filter_fn is None, module_filter_fn=module_filter_fn
+    )
     if unmatched:
         report.notes.append(unmatched)
+    if module_filter_fn is not None and fuse and chosen.fuses_blocks:
+        report.notes.append("no block fused: a module_filter_fn decides layer by layer")
     report.notes += [f"backend auto chose {chosen.name} over {why}" for why in passed_over]
     if stage is not None:
         report.notes.append(
             f"DeepSpeed (ZeRO-{stage}): the FP8 layers run inside its engine, amaxes reduced over all ranks"
         )
-    state = PatchState(recipe=recipe, backend=chosen, report=report, amax_group=amax_group, handles=handles)
+    state = PatchState(
+        recipe=recipe,
+        backend=chosen,
+        report=report,
+        amax_group=amax_group,
+        handles=handles,
+        module_filter_fn=module_filter_fn,
+    )
     try:
         state.handles += chosen.attach(model, replaced, report)
     except Exception:
@@ -121,11 +144,15 @@ def patch_model(
     return report
 
 
-def plan_patch(model: nn.Module, recipe: Fp8Recipe | str | None = None) -> PatchReport:
+def plan_patch(
+    model: nn.Module, recipe: Fp8Recipe | str | None = None, module_filter_fn: ModuleFilter | None = None
+) -> PatchReport:
     """What :func:`patch_model` with the native backend would convert and skip, without touching the
     model (which may live on the meta device, as ``hf-fp8 inspect`` builds it)."""
     check_model(model, "plan_patch")
-    return _walk(model, NativeBackend(as_recipe(recipe)), convert=False)[0]
+    _check_filter(module_filter_fn, "plan_patch")
+    backend = NativeBackend(as_recipe(recipe))
+    return _walk(model, backend, convert=False, module_filter_fn=module_filter_fn)[0]
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -164,11 +191,15 @@ def move_patch(source: nn.Module, target: nn.Module) -> None:
 
 
 def _walk(
-    model: nn.Module, backend: Fp8Backend, convert: bool, fuse: bool = False
+    model: nn.Module,
+    backend: Fp8Backend,
+    convert: bool,
+    fuse: bool = False,
+    module_filter_fn: ModuleFilter | None = None,
 ) -> tuple[PatchReport, list[Replaced], list[RemovableHandle]]:
     """Report every module of ``model``; with ``convert``, replace those that convert (fusing blocks
-    first when ``fuse``). Returns the report, what was replaced (in order) and the hooks fused blocks
-    registered."""
+    first when ``fuse``; ``module_filter_fn`` may keep any in high precision). Returns the report, what
+    was replaced (in order) and the hooks fused blocks registered."""
     recipe = backend.recipe
     report = PatchReport(backend=backend.name, recipe=recipe, total_params=_count_params(model))
     context = ModelContext.of(model)
@@ -201,7 +232,7 @@ def _walk(
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            record, new = _decide(name, module, backend, context, convert)
+            record, new = _decide(name, module, backend, context, convert, module_filter_fn)
             if record is not None:
                 report.records.append(record)
             if new is not None:
@@ -218,20 +249,29 @@ def _walk(
 
 
 def _decide(
-    name: str, module: nn.Module, backend: Fp8Backend, context: ModelContext, convert: bool
+    name: str,
+    module: nn.Module,
+    backend: Fp8Backend,
+    context: ModelContext,
+    convert: bool,
+    module_filter_fn: ModuleFilter | None = None,
 ) -> tuple[ModuleRecord | None, nn.Module | None]:
     """The report entry for ``module`` and its FP8 replacement (``None`` if it stays)."""
-    record = module_record(name, module, backend.recipe, context, is_fp8_module(module))
+    fp8 = is_fp8_module(module)
+    record = module_record(name, module, backend.recipe, context, fp8)
     if record is None or record.action != CONVERTED:
         return record, None
-    if record.kind == "experts":
-        if backend.keeps_experts is not None:
-            return _with(record, SKIPPED, backend.keeps_experts), None
-        return record, backend.convert_experts(module) if convert else None
-    if record.kind not in _NORM_KINDS:
-        return record, backend.convert_linear(module, record.forward_in_fp8) if convert else None
-    if backend.keeps_norms is not None:
+    if record.kind == "experts" and backend.keeps_experts is not None:
+        return _with(record, SKIPPED, backend.keeps_experts), None
+    norm = record.kind in _NORM_KINDS
+    if norm and backend.keeps_norms is not None:
         return _with(record, KEPT, backend.keeps_norms), None
+    if module_filter_fn is not None and not fp8 and not module_filter_fn(module, name):
+        return _with(record, KEPT if norm else SKIPPED, FILTERED), None
+    if record.kind == "experts":
+        return record, backend.convert_experts(module) if convert else None
+    if not norm:
+        return record, backend.convert_linear(module, record.forward_in_fp8) if convert else None
     if not convert:
         return _with(record, KEPT, "norm: kept in high precision"), None
     new, reason = backend.convert_norm(module, record.kind)
@@ -240,6 +280,14 @@ def _decide(
 
 def _with(record: ModuleRecord, action: str, reason: str) -> ModuleRecord:
     return dataclasses.replace(record, action=action, reason=reason)
+
+
+def _check_filter(module_filter_fn: Any, caller: str) -> None:
+    if module_filter_fn is not None and not callable(module_filter_fn):
+        raise TypeError(
+            f"{caller}: module_filter_fn must be a function (module, fqn) -> bool, got "
+            f"{type(module_filter_fn).__name__}"
+        )
 
 
 def _undo(model: nn.Module, replaced: list[Replaced], handles: list[RemovableHandle]) -> None:

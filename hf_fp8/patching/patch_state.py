@@ -40,6 +40,8 @@ class PatchState:
     # Data-parallel group whose ranks share amaxes; None: the world group when distributed.
     amax_group: Any = None
     handles: list[RemovableHandle] = field(default_factory=list)
+    # patch_model's module_filter_fn, for the reports of later calls on the patched model
+    module_filter_fn: Any = None
     # A training forward ran in FP8 since the last step end (see hf_fp8.patching.step).
     step_pending: bool = False
     # That forward's outputs needed no gradient: the next training forward ends the step.

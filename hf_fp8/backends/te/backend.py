@@ -47,6 +47,7 @@ class TeBackend(Fp8Backend):
     ``te.autocast`` around each forward. TE ends its own FP8 steps inside its autocast."""
 
     name = "te"
+    fuses_blocks = True
     keeps_norms = None
     keeps_experts = (
         "MoE experts: the Transformer Engine backend keeps them in high precision (backend='native' with "
