@@ -12,6 +12,13 @@ gradients clipped at 1.0, the model compiled block by block with ``hf_fp8.compil
 the same compile). ``bf16`` is the baseline; every other run names a recipe (``default``: the default
 one), patched with ``patch_model`` and guarded with ``Fp8NanGuard`` as a user's loop would be.
 
+``--init smollm2`` continues the demo's real model (SmolLM2-135M-Instruct) instead, and ``--lora`` trains
+LoRA adapters (rank 16 on every projection, as the demo) over its frozen weights, for example:
+
+    python benchmarks/convergence.py --folder runs/smollm2-full --init smollm2 --lr 5e-5 --steps 1000
+    python benchmarks/convergence.py --folder runs/smollm2-lora --init smollm2 --lora --lr 5e-4 \
+        --steps 1000 --runs bf16,lora-fp8,lora-fp8-block
+
 Each run writes ``<folder>/<run>.jsonl``: the training loss of every step, the held-out loss every
 ``--eval-every`` steps, and FP8 telemetry every ``--telemetry-every`` steps (per layer and role: the
 scale and the fractions of values saturated and flushed to zero). The table compares the final
@@ -107,9 +114,15 @@ def held_out_windows(held_out, args: argparse.Namespace):
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):
+    """The model a run starts from: ``--shape`` from its config (seeded), or the demo's SmolLM2."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if args.init == "smollm2":
+        from hf_fp8.assets import smollm2_path
+
+        model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+        return model.to(args.device).train()
     config = LlamaConfig(
         vocab_size=-(-vocab_size // 64) * 64,
         max_position_embeddings=args.seq,
@@ -142,10 +155,13 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     model = build_model(args, corpus.vocab_size)
     fp8 = run != "bf16"
     report = hf_fp8.patch_model(model, None if run == "default" else run) if fp8 else None
+    if args.lora:
+        model = with_lora(model, args.seed)
     if args.compile:
         hf_fp8.compile(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+        trained, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate(s, args))
     guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer) if fp8 else None
@@ -165,7 +181,7 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
         with autocast:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         if guard is None or guard.check(step=step + 1):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -191,7 +207,8 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     final = statistics.mean(losses[-max(1, int(len(losses) * _FINAL_SHARE)) :])
     summary = {
         "run": run,
-        "shape": args.shape,
+        "shape": "smollm2" if args.init == "smollm2" else args.shape,
+        "lora": args.lora,
         "steps": args.steps,
         "tokens": args.steps * args.batch * args.seq,
         "final_loss": final,
@@ -207,6 +224,18 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     }
     _write(curve, {"summary": summary})
     return summary
+
+
+def with_lora(model, seed: int):
+    """``model`` with LoRA adapters of rank 16 on every projection (the demo's), the same in every run."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_fp8.apps.demo import LORA_TARGETS
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    return get_peft_model(model, config)
 
 
 def evaluate(model, batches, autocast, device) -> float:
@@ -393,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-share", type=float, default=0.03, help="of the steps, the lr warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--init", default="config", choices=("config", "smollm2"), help="from --shape's config or SmolLM2"
+    )
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters over frozen weights")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--autocast", default="bf16", choices=("bf16", "none"))
     parser.add_argument("--compile", type=int, default=1, help="hf_fp8.compile every run (1) or none (0)")
@@ -411,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from processes import append_result, run_modes_in_processes
 
+    if args.init == "smollm2" and args.tokenizer != "smollm2":
+        parser.error("--init smollm2 reads the corpus with its own tokenizer: --tokenizer smollm2")
     runs = args.runs.split(",")
     if unknown := sorted(set(runs) - {"bf16", "default", *_recipe_names()}):
         parser.error(f"unknown runs {unknown}: bf16, default or a named recipe")
@@ -419,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.plot:
         print(load_corpus(args).describe(), flush=True)  # built once, here, before the runs read it
-        run_modes_in_processes("convergence.py", args, runs, ("plot",))
+        run_modes_in_processes("convergence.py", args, runs, ("plot", "lora"))
     print(report(Path(args.folder), runs, args.smooth))
     return 0
 

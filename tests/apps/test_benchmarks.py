@@ -346,3 +346,23 @@ def test_convergence_table_holds_a_run_to_the_issue_bounds():
     losses = [3.0 - 0.001 * i for i in range(80)]
     losses[70] = losses[69] * 1.3
     assert convergence.spikes(losses, 0.2) == [71]
+
+
+def test_convergence_trains_lora_adapters_over_fp8_stored_weights(tmp_path):
+    """``convergence.py --lora``: the same adapters in each run over the frozen base, FP8-stored under
+    ``lora-fp8``; both runs learn."""
+    folder = tmp_path / "lora"
+    bench(
+        "convergence.py", "--folder", str(folder), "--runs", "bf16,lora-fp8", "--lora", "--shape", "tiny",
+        "--steps", "20", "--batch", "2", "--seq", "32", "--device", "cpu", "--autocast", "none",
+        "--compile", "0", "--tokenizer", "bytes", "--max-files", "30", "--held-out-share", "0.2",
+        "--log-every", "10", "--eval-every", "20", "--eval-batches", "2", "--telemetry-every", "20",
+        "--lr", "3e-3",
+        env={**ONE_THREAD, "HF_FP8_CACHE": str(tmp_path / "cache")},
+    )  # fmt: skip
+    convergence = _load_benchmark_module("convergence")
+    bf16, fp8 = (convergence.read_curve(folder / f"{run}.jsonl") for run in ("bf16", "lora-fp8"))
+    assert bf16["summary"]["lora"] and fp8["summary"]["lora"]
+    assert bf16["losses"][0] == pytest.approx(fp8["losses"][0], rel=0.02)
+    assert bf16["losses"][-1] < bf16["losses"][0] and fp8["losses"][-1] < fp8["losses"][0]
+    assert fp8["summary"]["fp8_flop_share"] > 0
