@@ -13,7 +13,7 @@ from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.checks import check_model
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.integrations.compiled import compile_model, compiles_by_default
-from hf_fp8.patching.patch import patch_model
+from hf_fp8.patching.patch import patch_or_recheck
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
 from hf_fp8.recipe import Fp8Recipe
@@ -65,7 +65,7 @@ def prepare_fp8(
     if distributed == "FSDP":
         backend = backend_for_fsdp(backend)
     before = {id(p) for p in model.parameters()}
-    report = patch_model(model, recipe, backend=backend)
+    report = patch_or_recheck(model, recipe, backend=backend)
     sharded = distributed in ("FSDP", "DEEPSPEED")
     if compile or (compile is None and compiles_by_default(model, torch.device(accelerator.device), sharded)):
         compile_model(model)

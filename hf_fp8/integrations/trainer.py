@@ -43,7 +43,7 @@ from hf_fp8.integrations.training_arguments import (
     saved_checkpoint,
     should_compile,
 )
-from hf_fp8.patching.patch import is_patched, patch_model
+from hf_fp8.patching.patch import is_patched, patch_model, patch_or_recheck
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
 from hf_fp8.recipe import Fp8Recipe, as_recipe
@@ -159,9 +159,8 @@ class Fp8TrainerCallback(TrainerCallback):
                     stacklevel=3,
                 )
             self.recipe = patched_recipe
-            # patched before the model took its final form (PEFT) or before DeepSpeed showed: what ZeRO
-            # needs is checked again (the report says what it did)
-            self.report = patch_model(model)
+            # patched before the model took its final form (PEFT) or before DeepSpeed showed
+            self.report = patch_or_recheck(model)
         else:
             self.report = patch_model(
                 model, self.recipe, backend=backend_for(self.backend, args, self.recipe)

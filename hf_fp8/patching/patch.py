@@ -43,7 +43,7 @@ from hf_fp8.patching.zero import gather_blocks_whole, zero_refusal, zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 
-__all__ = ["is_patched", "move_patch", "patch_model", "plan_patch", "unpatch_model"]
+__all__ = ["is_patched", "move_patch", "patch_model", "patch_or_recheck", "plan_patch", "unpatch_model"]
 
 _NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm (1 + w)")
 
@@ -142,6 +142,20 @@ def patch_model(
     if (gathered := gather_blocks_whole(model, stage)) is not None:
         report.notes.append(gathered)
     return report
+
+
+def patch_or_recheck(
+    model: nn.Module, recipe: Fp8Recipe | str | None = None, backend: str = "auto"
+) -> PatchReport:
+    """:func:`patch_model` for a model that may be patched already (the Trainer callback, ``prepare_fp8``):
+    then the patch is checked again (PEFT, DeepSpeed) and the report returned is the patch's, where a
+    second ``patch_model`` reports that it converted nothing more; the check's notes are added to it."""
+    state = get_state(model)
+    report = patch_model(model, recipe, backend=backend)
+    if state is None:
+        return report
+    state.report.notes += [note for note in report.notes if note not in state.report.notes]
+    return state.report
 
 
 def plan_patch(

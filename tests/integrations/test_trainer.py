@@ -270,6 +270,21 @@ def test_an_already_patched_model_keeps_its_recipe(tmp_path):
     assert callback.recipe.margin == 1
 
 
+def test_the_report_of_an_already_patched_model_says_what_its_patch_converted(tmp_path):
+    model = tm.build("llama")
+    patched = patch_model(model, module_filter_fn=lambda module, fqn: "down_proj" not in fqn)
+    callback = Fp8TrainerCallback()
+    Trainer(model=model, args=arguments(tmp_path), callbacks=[callback])
+    assert [r.name for r in callback.report.converted_gemms] == [r.name for r in patched.converted_gemms]
+    assert len(callback.report.converted_gemms) == 12  # 14 GEMM layers less the two down_proj
+    from accelerate import Accelerator
+
+    from hf_fp8 import prepare_fp8
+
+    _, _, report = prepare_fp8(Accelerator(cpu=True), model)
+    assert [r.name for r in report.converted_gemms] == [r.name for r in patched.converted_gemms]
+
+
 def test_gradient_accumulation_ends_one_fp8_step_per_micro_batch(text_rows, tmp_path):
     accumulated = train(
         "llama",
