@@ -53,6 +53,12 @@ class PatchReport:
     # Things that hold for the whole model, such as a recipe option this backend does not carry out.
     notes: list[str] = field(default_factory=list)
 
+    def add_note(self, note: str) -> None:
+        """Add ``note`` unless the report has it already: a patched model's report is shared by every
+        integration that takes the model (the Trainer callback, ``prepare_fp8``), each perhaps twice."""
+        if note not in self.notes:
+            self.notes.append(note)
+
     def _select(self, action: str) -> list[ModuleRecord]:
         return [r for r in self.records if r.action == action]
 

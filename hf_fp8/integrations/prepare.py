@@ -69,7 +69,7 @@ def prepare_fp8(
     sharded = distributed in ("FSDP", "DEEPSPEED")
     if compile or (compile is None and compiles_by_default(model, torch.device(accelerator.device), sharded)):
         compile_model(model)
-        report.notes.append("compiled block by block (hf_fp8.compile) by prepare_fp8")
+        report.add_note("compiled block by block (hf_fp8.compile) by prepare_fp8")
     keep_fp8_state_with_checkpoints(accelerator, model)
     if optimizer is None:
         return accelerator.prepare(model), None, report

@@ -175,16 +175,16 @@ class Fp8TrainerCallback(TrainerCallback):
         check_arguments(args, model)
         compiles = should_compile(self.compile, args, model)
         if self.compile is None and generates(args) and compiles_by_default_for(args, model):
-            self.report.notes.append(
+            self.report.add_note(
                 "not compiled: this trainer generates with the model it trains, and a compiled FP8 model "
                 "decodes several times slower than an eager one (Fp8TrainerCallback(compile=True) compiles)"
             )
         if compiles:
             compile_model(model)
-            self.report.notes.append("compiled block by block (hf_fp8.compile) by Fp8TrainerCallback")
+            self.report.add_note("compiled block by block (hf_fp8.compile) by Fp8TrainerCallback")
         sampled = self.sample_layers if self.sample_layers is not None else (0 if compiles else 8)
         if compiles and sampled == 0 and self.sample_layers is None:
-            self.report.notes.append(
+            self.report.add_note(
                 "no saturation / flush-to-zero telemetry under compilation (each sampled block would "
                 "compile once more); Fp8TrainerCallback(sample_layers=8) logs it"
             )

@@ -154,7 +154,8 @@ def patch_or_recheck(
     report = patch_model(model, recipe, backend=backend)
     if state is None:
         return report
-    state.report.notes += [note for note in report.notes if note not in state.report.notes]
+    for note in report.notes:
+        state.report.add_note(note)
     return state.report
 
 

@@ -283,6 +283,8 @@ def test_the_report_of_an_already_patched_model_says_what_its_patch_converted(tm
 
     _, _, report = prepare_fp8(Accelerator(cpu=True), model)
     assert [r.name for r in report.converted_gemms] == [r.name for r in patched.converted_gemms]
+    Trainer(model=model, args=arguments(tmp_path), callbacks=[again := Fp8TrainerCallback()])
+    assert again.report is report  # one report of the patch, shared
 
 
 def test_gradient_accumulation_ends_one_fp8_step_per_micro_batch(text_rows, tmp_path):
