@@ -303,9 +303,9 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
     folder = tmp_path / "runs"
     out = bench(
         "convergence.py", "--folder", str(folder), "--runs", "bf16,default", "--shape", "tiny",
-        "--steps", "60", "--batch", "2", "--seq", "32", "--device", "cpu", "--autocast", "none",
+        "--steps", "40", "--batch", "2", "--seq", "32", "--device", "cpu", "--autocast", "none",
         "--compile", "0", "--tokenizer", "bytes", "--max-files", "30", "--held-out-share", "0.2",
-        "--log-every", "10", "--eval-every", "30", "--eval-batches", "2", "--telemetry-every", "30",
+        "--log-every", "10", "--eval-every", "20", "--eval-batches", "2", "--telemetry-every", "20",
         "--lr", "3e-3",
         env={**ONE_THREAD, "HF_FP8_CACHE": str(tmp_path / "cache")},
     )  # fmt: skip
@@ -315,10 +315,10 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
     assert all((folder / f"{name}.png").stat().st_size > 0 for name in ("loss", "ratio", "telemetry"))
     convergence = _load_benchmark_module("convergence")
     bf16, fp8 = (convergence.read_curve(folder / f"{run}.jsonl") for run in ("bf16", "default"))
-    assert len(bf16["losses"]) == len(fp8["losses"]) == 60
+    assert len(bf16["losses"]) == len(fp8["losses"]) == 40
     assert bf16["losses"][0] == pytest.approx(fp8["losses"][0], rel=0.02)  # same weights, same batch
     assert fp8["losses"][-1] < fp8["losses"][0]
-    assert [step for step, _ in fp8["held_out"]] == [30, 60]
+    assert [step for step, _ in fp8["held_out"]] == [20, 40]
     layers = [json.loads(line)["layers"] for line in (folder / "default.jsonl").read_text().splitlines()
               if '"layers"' in line]  # fmt: skip
     assert len(layers) == 2
@@ -349,20 +349,17 @@ def test_convergence_table_holds_a_run_to_the_issue_bounds():
 
 
 def test_convergence_trains_lora_adapters_over_fp8_stored_weights(tmp_path):
-    """``convergence.py --lora``: the same adapters in each run over the frozen base, FP8-stored under
-    ``lora-fp8``; both runs learn."""
+    """``convergence.py --lora``: adapters over the frozen base, stored in FP8 under ``lora-fp8``, learn."""
     folder = tmp_path / "lora"
     bench(
-        "convergence.py", "--folder", str(folder), "--runs", "bf16,lora-fp8", "--lora", "--shape", "tiny",
+        "convergence.py", "--folder", str(folder), "--runs", "lora-fp8", "--lora", "--shape", "tiny",
         "--steps", "20", "--batch", "2", "--seq", "32", "--device", "cpu", "--autocast", "none",
-        "--compile", "0", "--tokenizer", "bytes", "--max-files", "30", "--held-out-share", "0.2",
+        "--compile", "0", "--tokenizer", "bytes", "--max-files", "10", "--held-out-share", "0.2",
         "--log-every", "10", "--eval-every", "20", "--eval-batches", "2", "--telemetry-every", "20",
         "--lr", "3e-3",
         env={**ONE_THREAD, "HF_FP8_CACHE": str(tmp_path / "cache")},
     )  # fmt: skip
     convergence = _load_benchmark_module("convergence")
-    bf16, fp8 = (convergence.read_curve(folder / f"{run}.jsonl") for run in ("bf16", "lora-fp8"))
-    assert bf16["summary"]["lora"] and fp8["summary"]["lora"]
-    assert bf16["losses"][0] == pytest.approx(fp8["losses"][0], rel=0.02)
-    assert bf16["losses"][-1] < bf16["losses"][0] and fp8["losses"][-1] < fp8["losses"][0]
-    assert fp8["summary"]["fp8_flop_share"] > 0
+    fp8 = convergence.read_curve(folder / "lora-fp8.jsonl")
+    assert fp8["summary"]["lora"] and fp8["summary"]["fp8_flop_share"] > 0
+    assert fp8["losses"][-1] < fp8["losses"][0]
