@@ -313,8 +313,8 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
     assert len(rows) == 2 and "error" not in out.split("| run |")[-1], out
     assert (folder / "table.md").read_text().startswith("| run |")
     assert all((folder / f"{name}.png").stat().st_size > 0 for name in ("loss", "ratio", "telemetry"))
-    convergence = _load_benchmark_module("convergence")
-    bf16, fp8 = (convergence.read_curve(folder / f"{run}.jsonl") for run in ("bf16", "default"))
+    curves = _load_benchmark_module("convergence_report")
+    bf16, fp8 = (curves.read_curve(folder / f"{run}.jsonl") for run in ("bf16", "default"))
     assert len(bf16["losses"]) == len(fp8["losses"]) == 40
     assert bf16["losses"][0] == pytest.approx(fp8["losses"][0], rel=0.02)  # same weights, same batch
     assert fp8["losses"][-1] < fp8["losses"][0]
@@ -331,7 +331,7 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
 def test_convergence_table_holds_a_run_to_the_issue_bounds():
     """The table's verdict: within 0.5% of BF16's final loss and 1% of its held-out perplexity, with no
     loss spike that BF16 does not have; the spike finder flags a jump over the recent median."""
-    convergence = _load_benchmark_module("convergence")
+    convergence, curves = _load_benchmark_module("convergence"), _load_benchmark_module("convergence_report")
     base = dict(final_loss=2.0, held_out_ppl=10.0, spikes=[], ms_per_step=1.0)
     runs = [
         {"run": "bf16", **base},
@@ -340,7 +340,7 @@ def test_convergence_table_holds_a_run_to_the_issue_bounds():
         {"run": "spiky", **base, "spikes": [120]},
     ]
     verdicts = {
-        line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in convergence.table(runs).splitlines()[2:]
+        line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in curves.table(runs).splitlines()[2:]
     }
     assert verdicts == {"bf16": "yes |", "close": "yes |", "far": "**no** |", "spiky": "**no** |"}
     losses = [3.0 - 0.001 * i for i in range(80)]
@@ -359,7 +359,6 @@ def test_convergence_trains_lora_adapters_over_fp8_stored_weights(tmp_path):
         "--lr", "3e-3",
         env={**ONE_THREAD, "HF_FP8_CACHE": str(tmp_path / "cache")},
     )  # fmt: skip
-    convergence = _load_benchmark_module("convergence")
-    fp8 = convergence.read_curve(folder / "lora-fp8.jsonl")
+    fp8 = _load_benchmark_module("convergence_report").read_curve(folder / "lora-fp8.jsonl")
     assert fp8["summary"]["lora"] and fp8["summary"]["fp8_flop_share"] > 0
     assert fp8["losses"][-1] < fp8["losses"][0]
