@@ -23,8 +23,9 @@ Each run writes ``<folder>/<run>.jsonl``: the training loss of every step, the h
 ``--eval-every`` steps, and FP8 telemetry every ``--telemetry-every`` steps (per layer and role: the
 scale and the fractions of values saturated and flushed to zero). The table compares the final
 training loss (the mean of the last 5% of steps) and the held-out perplexity with BF16's, and counts
-loss spikes (a step more than ``--spike`` above the median of the 50 before it); ``--plot`` draws
-``loss.png``, ``ratio.png`` (each run's smoothed loss over BF16's) and ``telemetry.png``.
+loss spikes (a step more than ``--spike`` above the median of the 50 before it); the table and the
+plots (``loss.png``, ``ratio.png``: each run's smoothed loss over BF16's, ``telemetry.png``) come from
+:mod:`convergence_report`, again with ``--plot``.
 """
 
 from __future__ import annotations
