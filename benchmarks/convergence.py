@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--telemetry-every", type=int, default=100)
     parser.add_argument("--spike", type=float, default=0.2, help="a spike: this much over the recent median")
     parser.add_argument("--smooth", type=int, default=50, help="the plots' moving average, in steps")
+    parser.add_argument("--gpus", help="GPU numbers (0,1,...): as many runs at once, one a GPU")
     parser.add_argument("--plot", action="store_true", help="only draw the plots and the table again")
     parser.add_argument("--one", help="train this one run here (the driver runs each in a process)")
     parser.add_argument("--out", help="append the summary's JSON line here")
@@ -329,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.plot:
         print(load_corpus(args).describe(), flush=True)  # built once, here, before the runs read it
-        run_modes_in_processes("convergence.py", args, runs, ("plot", "lora"))
+        devices = args.gpus.split(",") if args.gpus else ()
+        run_modes_in_processes("convergence.py", args, runs, ("plot", "lora"), devices)
     from convergence_report import report
 
     print(report(Path(args.folder), runs, args.smooth))

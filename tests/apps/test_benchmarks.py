@@ -299,18 +299,19 @@ def test_corpus_splits_by_document_drops_copies_and_is_built_once(tmp_path):
 
 def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_path):
     """``convergence.py`` on the CPU at a tiny size: a BF16 (here float32) run and an FP8 one, each in a
-    process of its own, their curves, FP8 telemetry per layer and role, the table and the plots."""
+    process of its own and both at once (``--gpus``), their curves, FP8 telemetry per layer and role, the
+    table in the order of ``--runs``, and the plots."""
     folder = tmp_path / "runs"
     out = bench(
-        "convergence.py", "--folder", str(folder), "--runs", "bf16,default", "--shape", "tiny",
-        "--steps", "40", "--batch", "2", "--seq", "32", "--device", "cpu", "--autocast", "none",
-        "--compile", "0", "--tokenizer", "bytes", "--max-files", "30", "--held-out-share", "0.2",
-        "--log-every", "10", "--eval-every", "20", "--eval-batches", "2", "--telemetry-every", "20",
-        "--lr", "3e-3",
+        "convergence.py", "--folder", str(folder), "--runs", "bf16,default", "--gpus", "0,1",
+        "--shape", "tiny", "--steps", "40", "--batch", "2", "--seq", "32", "--device", "cpu",
+        "--autocast", "none", "--compile", "0", "--tokenizer", "bytes", "--max-files", "30",
+        "--held-out-share", "0.2", "--log-every", "10", "--eval-every", "20", "--eval-batches", "2",
+        "--telemetry-every", "20", "--lr", "3e-3",
         env={**ONE_THREAD, "HF_FP8_CACHE": str(tmp_path / "cache")},
     )  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith(("| bf16 ", "| default "))]
-    assert len(rows) == 2 and "error" not in out.split("| run |")[-1], out
+    assert len(rows) == 2 and rows[0].startswith("| bf16 ") and "error" not in out.split("| run |")[-1], out
     assert (folder / "table.md").read_text().startswith("| run |")
     assert all((folder / f"{name}.png").stat().st_size > 0 for name in ("loss", "ratio", "telemetry"))
     curves = _load_benchmark_module("convergence_report")
