@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (from scratch)")
     parser.add_argument("--warmup-share", type=float, default=0.03, help="of the steps, the lr warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
