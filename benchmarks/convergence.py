@@ -3,7 +3,7 @@
     python benchmarks/convergence.py --folder runs/convergence        # every run, then the plots
     python benchmarks/convergence.py --folder runs/convergence --plot # the plots and the table again
 
-A Llama of ``--shape`` (``350m``: 24 layers 1024 wide, 384M parameters with its own output head) from
+A Llama of ``--shape`` (one of ``harness.py``'s; ``350m``: 24 layers 1024 wide, 384M parameters) from
 its config, trained from scratch on :mod:`corpus` (the Python sources of the machine's packages
 and Shakespeare, tokenized with the demo's SmolLM2 tokenizer; about 1% of the files held out). Every
 run is a process of its own on the same batches in the same order, from the same initial weights:
@@ -39,22 +39,6 @@ import time
 from pathlib import Path
 
 RUNS = ("bf16", "default", "head-backward", "block", "block-head", "rowwise")
-SHAPES = {
-    "350m": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-}
 _FINAL_SHARE = 0.05  # the final loss: the mean over this last share of the steps
 _SPIKE_WINDOW = 50
 
@@ -124,12 +108,11 @@ def build_model(args: argparse.Namespace, vocab_size: int):
 
         model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
         return model.to(args.device).train()
-    config = LlamaConfig(
-        vocab_size=-(-vocab_size // 64) * 64,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,  # an output head of its own: the head recipes differ
-        **SHAPES[args.shape],
-    )
+    from harness import SHAPES
+
+    # an output head of its own, so that the head recipes differ; the corpus tokenizer's vocabulary
+    shape = {**SHAPES[args.shape], "tie_word_embeddings": False, "vocab_size": -(-vocab_size // 64) * 64}
+    config = LlamaConfig(max_position_embeddings=args.seq, **shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
     with torch.device(args.device):
@@ -290,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", required=True, help="where each run's curve, the plots and the table go")
     parser.add_argument("--runs", default=",".join(RUNS), help="bf16 and recipe names ('default')")
-    parser.add_argument("--shape", default="350m", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="350m", help="a shape of harness.py")
     parser.add_argument("--steps", type=int, default=3200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hf_fp8.apps.demo_report import moving_average
+
 
 def read_curve(path: Path) -> dict:
     """A run's ``.jsonl``: its losses by step, held-out losses, telemetry lines and summary."""
@@ -53,17 +55,6 @@ def table(summaries: list[dict], bounds: tuple[float, float] = (0.5, 1.0)) -> st
     return "\n".join(lines)
 
 
-def smoothed(values: list[float], window: int) -> list[float]:
-    """The trailing mean over ``window`` values (fewer at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
     """``loss.png``, ``ratio.png`` and (with FP8 telemetry) ``telemetry.png`` in ``folder``."""
     import matplotlib
@@ -75,7 +66,7 @@ def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for run, curve in curves.items():
         steps = range(1, len(curve["losses"]) + 1)
-        (line,) = ax.plot(steps, smoothed(curve["losses"], window), label=run, linewidth=1)
+        (line,) = ax.plot(steps, moving_average(curve["losses"], window), label=run, linewidth=1)
         if curve["held_out"]:
             ax.plot(*zip(*curve["held_out"], strict=True), "o", color=line.get_color(), markersize=3)
     ax.set(xlabel="step", ylabel=f"training loss (mean of {window} steps); dots: held-out", yscale="log")
@@ -84,11 +75,11 @@ def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
     base = curves.get("bf16")
     if base is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        reference = smoothed(base["losses"], window)
+        reference = moving_average(base["losses"], window)
         for run, curve in curves.items():
             if run == "bf16":
                 continue
-            ours = smoothed(curve["losses"], window)
+            ours = moving_average(curve["losses"], window)
             gaps = [100 * (a / b - 1) for a, b in zip(ours, reference, strict=False)]
             ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=1)
         ax.axhline(0, color="black", linewidth=0.5)

@@ -39,6 +39,15 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
+    # convergence.py's from-scratch model: 24 layers 1024 wide (384M parameters with an output head)
+    "350m": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
     # a smoke test of the benchmarks themselves (--device cpu), not a measurement
     "tiny": dict(
         hidden_size=64,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["final_loss", "plot_losses", "summary", "write_report"]
+__all__ = ["final_loss", "moving_average", "plot_losses", "summary", "write_report"]
 
 # The accuracy targets the comparison is held to (see the README).
 TRAIN_LOSS_TARGET = 0.01
@@ -66,7 +66,7 @@ def plot_losses(arms, args: argparse.Namespace, path: Path) -> Path:
         steps = range(1, len(arm.losses) + 1)
         axis.plot(steps, arm.losses, color=color, alpha=0.3, linewidth=1)
         axis.plot(
-            steps, _moving_average(arm.losses, window), color=color, linewidth=2, label=f"{arm.name} train"
+            steps, moving_average(arm.losses, window), color=color, linewidth=2, label=f"{arm.name} train"
         )
         held = sorted(arm.held_out.items())
         axis.plot(
@@ -183,7 +183,8 @@ def _device_name(device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _moving_average(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The trailing mean over ``window`` values (fewer at the start)."""
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value

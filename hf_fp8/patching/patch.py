@@ -81,8 +81,8 @@ def patch_model(
             step); ``None`` uses the world group whenever ``torch.distributed`` is initialised.
         module_filter_fn: ``f(module, fqn) -> bool``, asked for each module the recipe would convert
             (by its dotted name in ``model``); ``False`` keeps it in high precision, and the report says
-            so. Beside the recipe's ``exclude`` patterns, for what a pattern cannot say (a shape, a
-            class). With a filter, no block is fused (TE): each layer is converted on its own.
+            so. Beside the recipe's ``modules_to_not_convert`` patterns, for what a pattern cannot say
+            (a shape, a class). With a filter, no block is fused (TE): each layer converts on its own.
 
     On any error the model is restored to what it was and the error names the module. A model that is
     already patched keeps its patch (a different recipe or backend asked for is warned about).
