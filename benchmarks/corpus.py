@@ -83,8 +83,7 @@ def build_corpus(
     if documents is None:
         documents = [(n, p.read_text(encoding="utf-8", errors="replace")) for n, p in python_sources()]
         documents += shakespeare_texts()
-    documents = _unique(documents)
-    digest = _digest(documents, tokenizer_name, held_out_share)
+    documents, digest = _unique(documents, f"{_FORMAT}|{tokenizer_name}|{held_out_share}")
     folder = cache / "corpus" / digest
     if (folder / "meta.json").is_file():
         meta = json.loads((folder / "meta.json").read_text())
@@ -119,21 +118,17 @@ def build_corpus(
     return Corpus(train, held_out, digest, **meta)
 
 
-def _unique(documents: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The documents in their order, a text seen before (a vendored copy) dropped, empty ones too."""
+def _unique(documents: Iterable[tuple[str, str]], salt: str) -> tuple[list[tuple[str, str]], str]:
+    """The documents in their order, a text seen before (a vendored copy) dropped, empty ones too; and the
+    digest of ``salt`` and the kept documents' names and contents (each text hashed once)."""
     seen: set[bytes] = set()
     kept = []
+    digest = hashlib.sha1(salt.encode())
     for name, text in documents:
         key = hashlib.sha1(text.encode()).digest()
         if text.strip() and key not in seen:
             seen.add(key)
             kept.append((name, text))
-    return kept
-
-
-def _digest(documents: list[tuple[str, str]], tokenizer_name: str, held_out_share: float) -> str:
-    h = hashlib.sha1(f"{_FORMAT}|{tokenizer_name}|{held_out_share}".encode())
-    for name, text in documents:
-        h.update(name.encode())
-        h.update(hashlib.sha1(text.encode()).digest())
-    return h.hexdigest()[:16]
+            digest.update(name.encode())
+            digest.update(key)
+    return kept, digest.hexdigest()[:16]
