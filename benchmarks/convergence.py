@@ -31,6 +31,7 @@ plots (``loss.png``, ``ratio.png``: each run's smoothed loss over BF16's, ``tele
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -73,7 +74,15 @@ def load_corpus(args: argparse.Namespace):
         documents = [(n, p.read_text(encoding="utf-8", errors="replace")) for n, p in sources]
         documents += shakespeare_texts()[:1]
     tokenizer = load_tokenizer(args.tokenizer)
-    return build_corpus(tokenizer, args.tokenizer, cache_dir(), documents, args.held_out_share)
+    return build_corpus(tokenizer, vocabulary_digest(tokenizer), cache_dir(), documents, args.held_out_share)
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """A name for ``tokenizer`` by its vocabulary and end-of-text token, so that the same tokenizer read
+    from another folder (``smollm2`` or a copy of its files) finds the same cached corpus."""
+    entries = sorted(tokenizer.get_vocab().items())
+    text = json.dumps([entries, tokenizer.eos_token_id])
+    return "vocab-" + hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def window_starts(length: int, args: argparse.Namespace):
@@ -178,7 +187,8 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
             values = torch.stack(pending).float().tolist()  # one wait for the device per chunk
             step_ms.append((time.perf_counter() - chunk_begin) * 1e3 / len(pending))
             losses += values
-            _write(curve, {"step": step + 1, "losses": values})
+            elapsed = round(time.perf_counter() - begin, 1)
+            _write(curve, {"step": step + 1, "losses": values, "seconds": elapsed})
             pending = []
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             held = evaluate(model, held_out, autocast, device)
