@@ -21,9 +21,10 @@ LoRA adapters (rank 16 on every projection, as the demo) over its frozen weights
 
 Each run writes ``<folder>/<run>.jsonl``: the training loss of every step, the held-out loss every
 ``--eval-every`` steps, and FP8 telemetry every ``--telemetry-every`` steps (per layer and role: the
-scale and the fractions of values saturated and flushed to zero). The table compares the final
+scale and the fractions of values saturated and flushed to zero; with :class:`hf_fp8.Fp8CastWatch`'s
+warnings, the Trainer callback's, where those fractions grew). The table compares the final
 training loss (the mean of the last 5% of steps) and the held-out perplexity with BF16's, and counts
-loss spikes (a step more than ``--spike`` above the median of the 50 before it); the table and the
+loss spikes (a step whose loss is more than ``--spike`` above BF16's on the same batch); the table and the
 plots (``loss.png``, ``ratio.png``: each run's smoothed loss over BF16's, ``telemetry.png``) come from
 :mod:`convergence_report`, again with ``--plot``.
 """
@@ -40,8 +41,6 @@ import time
 from pathlib import Path
 
 RUNS = ("bf16", "default", "head-backward", "block", "block-head", "rowwise")
-_FINAL_SHARE = 0.05  # the final loss: the mean over this last share of the steps
-_SPIKE_WINDOW = 50
 
 
 # ---- the data -------------------------------------------------------------------------------------
@@ -159,6 +158,7 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate(s, args))
     guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer) if fp8 else None
     telemetry = hf_fp8.Fp8Telemetry(model, sample_layers=10**6) if fp8 else None
+    watch = hf_fp8.Fp8CastWatch()  # the Trainer callback's warnings, in the run's file too
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.autocast == "bf16")
     starts, held_out = window_starts(len(corpus.train), args), held_out_windows(corpus.held_out, args)
     curve = Path(args.folder) / f"{run}.jsonl"
@@ -182,7 +182,8 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
         pending.append(loss.detach())
         if watched:
             _write(curve, {"step": step + 1, "layers": layer_telemetry(telemetry)})
-            _write(curve, {"step": step + 1, "telemetry": telemetry.stage().read()})
+            logs = telemetry.stage().read()
+            _write(curve, {"step": step + 1, "telemetry": logs, "warnings": watch.check(step + 1, logs)})
         if len(pending) == args.log_every or step + 1 == args.steps:
             values = torch.stack(pending).float().tolist()  # one wait for the device per chunk
             step_ms.append((time.perf_counter() - chunk_begin) * 1e3 / len(pending))
@@ -198,17 +199,17 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     if guard is not None:
         guard.flush()
     seconds = time.perf_counter() - begin
-    final = statistics.mean(losses[-max(1, int(len(losses) * _FINAL_SHARE)) :])
+    from convergence_report import final_loss
+
     summary = {
         "run": run,
         "shape": "smollm2" if args.init == "smollm2" else args.shape,
         "lora": args.lora,
         "steps": args.steps,
         "tokens": args.steps * args.batch * args.seq,
-        "final_loss": final,
+        "final_loss": final_loss(losses),
         "held_out_loss": held,
         "held_out_ppl": math.exp(held),
-        "spikes": spikes(losses, args.spike),
         "seconds": seconds,
         # the chunks after the first (compilation), telemetry and evaluation steps included
         "ms_per_step": statistics.median(step_ms[1:] or step_ms),
@@ -260,17 +261,6 @@ def layer_telemetry(telemetry) -> dict[str, dict[str, list[float]]]:
     return rows
 
 
-def spikes(losses: list[float], threshold: float) -> list[int]:
-    """The steps (from 1) whose loss exceeds the median of the ``_SPIKE_WINDOW`` before it by more than
-    ``threshold`` (a fraction), or is not finite."""
-    found = []
-    for i in range(_SPIKE_WINDOW, len(losses)):
-        before = statistics.median(losses[i - _SPIKE_WINDOW : i])
-        if not math.isfinite(losses[i]) or losses[i] > before * (1 + threshold):
-            found.append(i + 1)
-    return found
-
-
 def _write(path: Path, line: dict) -> None:
     with path.open("a") as f:
         f.write(json.dumps(line) + "\n")
@@ -304,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--telemetry-every", type=int, default=100)
-    parser.add_argument("--spike", type=float, default=0.2, help="a spike: this much over the recent median")
+    parser.add_argument(
+        "--spike",
+        type=float,
+        default=0.1,
+        help="a spike: a loss this much over BF16's, same batch",
+    )
     parser.add_argument("--smooth", type=int, default=50, help="the plots' moving average, in steps")
     parser.add_argument("--gpus", help="GPU numbers (0,1,...): as many runs at once, one a GPU")
     parser.add_argument("--plot", action="store_true", help="only draw the plots and the table again")
@@ -327,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         run_modes_in_processes("convergence.py", args, runs, ("plot", "lora"), devices)
     from convergence_report import report
 
-    print(report(Path(args.folder), runs, args.smooth))
+    print(report(Path(args.folder), runs, args.smooth, args.spike))
     return 0
 
 

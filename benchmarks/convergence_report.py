@@ -1,7 +1,8 @@
 """The table and the plots of ``convergence.py``'s runs, from the ``.jsonl`` curve each run wrote.
 
 ``table`` holds each run to issue 46's bounds against the ``bf16`` run: its final training loss within
-0.5%, its held-out perplexity within 1%, and no loss spike that BF16 does not have. ``plot`` draws the
+0.5%, its held-out perplexity within 1%, and no loss spike that BF16 does not have (every run sees the
+same batches, so a spike is a step whose loss rises well above BF16's on the same batch). ``plot`` draws the
 smoothed loss curves (held-out losses as dots), each run's loss over BF16's, and the FP8 telemetry
 (fractions of values saturated and flushed, forward and backward) over the steps.
 """
@@ -9,17 +10,23 @@ smoothed loss curves (held-out losses as dots), each run's loss over BF16's, and
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 from hf_fp8.apps.demo_report import moving_average
 
+_FINAL_SHARE = 0.05  # the final loss: the mean over this last share of the steps
+
 
 def read_curve(path: Path) -> dict:
     """A run's ``.jsonl``: its losses by step, held-out losses, telemetry lines and summary."""
-    curve = {"losses": [], "held_out": [], "telemetry": [], "summary": None}
+    curve = {"losses": [], "held_out": [], "telemetry": [], "summary": None, "args": None}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
-        if "losses" in entry:
+        if "args" in entry:
+            curve["args"] = entry["args"]
+        elif "losses" in entry:
             curve["losses"] += entry["losses"]
         elif "held_out_loss" in entry:
             curve["held_out"].append((entry["step"], entry["held_out_loss"]))
@@ -30,29 +37,66 @@ def read_curve(path: Path) -> dict:
     return curve
 
 
-def table(summaries: list[dict], bounds: tuple[float, float] = (0.5, 1.0)) -> str:
-    """Markdown: each run's final training loss and held-out perplexity against BF16's, its spikes, and
-    whether it holds issue 46's bounds (``bounds``: % of the loss, % of the perplexity)."""
-    base = next((s for s in summaries if s["run"] == "bf16"), None)
+def table(
+    curves: dict[str, dict], runs: list[str], bounds: tuple[float, float] = (0.5, 1.0), spike: float = 0.1
+) -> str:
+    """Markdown: each run's final training loss (the mean of its last 5% of steps) and held-out perplexity
+    (at its last evaluation) against BF16's over the same steps, the steps where its loss rose more than
+    ``spike`` (a fraction) above BF16's on the same batch, and whether it holds issue 46's bounds
+    (``bounds``: % of the loss, % of the perplexity). A run that stopped early is compared over the steps
+    it ran and marked incomplete."""
+    base = curves.get("bf16")
     lines = [
-        "| run | final train loss | vs BF16 | held-out ppl | vs BF16 | spikes (first) | ms a step "
+        "| run | steps | final train loss | vs BF16 | held-out ppl | vs BF16 | spikes over BF16 | ms a step "
         "| within bounds |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in summaries:
-        if "error" in s:
-            lines.append(f"| {s['run']} | error: {s['error'][:80]} |||||||")
+    for run in runs:
+        curve = curves.get(run)
+        if curve is None or not curve["losses"] or not curve["held_out"]:
+            lines.append(f"| {run} | no curve: the run did not start or crashed early ||||||||")
             continue
-        loss_gap = 100 * (s["final_loss"] / base["final_loss"] - 1) if base else float("nan")
-        ppl_gap = 100 * (s["held_out_ppl"] / base["held_out_ppl"] - 1) if base else float("nan")
-        extra = sorted(set(s["spikes"]) - set(base["spikes"] if base else []))
-        spike = f"{len(s['spikes'])} ({s['spikes'][0]})" if s["spikes"] else "0"
-        holds = s is base or (abs(loss_gap) <= bounds[0] and abs(ppl_gap) <= bounds[1] and not extra)
+        losses, (step, held) = curve["losses"], curve["held_out"][-1]
+        final = final_loss(losses)
+        loss_gap = ppl_gap = float("nan")
+        extra: list[int] = []
+        if base is not None:
+            loss_gap = 100 * (final / final_loss(base["losses"][: len(losses)]) - 1)
+            base_held = dict(base["held_out"]).get(step)
+            ppl_gap = 100 * (math.exp(held - base_held) - 1) if base_held is not None else float("nan")
+            extra = spikes_over(losses, base["losses"], spike)
+        summary = curve["summary"]
+        done = summary is not None
+        holds = run == "bf16" or (abs(loss_gap) <= bounds[0] and abs(ppl_gap) <= bounds[1] and not extra)
+        verdict = ("yes" if holds else "**no**") if done else "incomplete"
+        first = f" ({extra[0]})" if extra else ""
+        speed = f"{summary['ms_per_step']:.0f}" if done else ""
+        steps = f"{len(losses)}" if done else f"{len(losses)} of {_planned(curve)}"
         lines.append(
-            f"| {s['run']} | {s['final_loss']:.4f} | {loss_gap:+.2f}% | {s['held_out_ppl']:.3f} | "
-            f"{ppl_gap:+.2f}% | {spike} | {s['ms_per_step']:.0f} | {'yes' if holds else '**no**'} |"
+            f"| {run} | {steps} | {final:.4f} | {loss_gap:+.2f}% | {math.exp(held):.3f} | {ppl_gap:+.2f}% | "
+            f"{len(extra)}{first} | {speed} | {verdict} |"
         )
     return "\n".join(lines)
+
+
+def spikes_over(losses: list[float], base: list[float], threshold: float) -> list[int]:
+    """The steps (from 1) whose loss is more than ``threshold`` (a fraction) above ``base``'s loss on the
+    same step, or not finite: the spikes that the base run, on the same batch, did not have."""
+    return [
+        step
+        for step, (ours, theirs) in enumerate(zip(losses, base, strict=False), start=1)
+        if not math.isfinite(ours) or ours > theirs * (1 + threshold)
+    ]
+
+
+def final_loss(losses: list[float]) -> float:
+    """The mean loss over the last 5% of ``losses`` (one step's loss is noisy)."""
+    count = max(1, int(len(losses) * _FINAL_SHARE))
+    return statistics.mean(losses[-count:])
+
+
+def _planned(curve: dict) -> int:
+    return curve["args"].get("steps", 0) if curve.get("args") else 0
 
 
 def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
@@ -112,15 +156,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def report(folder: Path, runs: list[str], window: int) -> str:
+def report(folder: Path, runs: list[str], window: int, spike: float = 0.1) -> str:
     """The table and the plots from the runs' files in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     curves = {r: read_curve(folder / f"{r}.jsonl") for r in runs if (folder / f"{r}.jsonl").is_file()}
-    summaries = [
-        curves[r]["summary"] if r in curves and curves[r]["summary"] else {"run": r, "error": "no summary"}
-        for r in runs
-    ]
     plot(folder, curves, window)
-    text = table(summaries)
+    text = table(curves, runs, spike=spike)
     (folder / "table.md").write_text(text + "\n")
     return text

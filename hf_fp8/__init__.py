@@ -25,6 +25,8 @@ _EXPORTS = {
     "assets": ("hf_fp8.apps.assets", None),  # the module: the demo's real model and text, from PyPI
     "Fp8Linear": ("hf_fp8.layers.linear", "Fp8Linear"),
     "Fp8Module": ("hf_fp8.layers.linear", "Fp8Module"),
+    "Fp8CastWarning": ("hf_fp8.integrations.cast_watch", "Fp8CastWarning"),
+    "Fp8CastWatch": ("hf_fp8.integrations.cast_watch", "Fp8CastWatch"),
     "Fp8NanGuard": ("hf_fp8.integrations.guard", "Fp8NanGuard"),
     "Fp8PaddingCollator": ("hf_fp8.patching.padding", "Fp8PaddingCollator"),
     "Fp8Recipe": ("hf_fp8.recipe", "Fp8Recipe"),
@@ -54,6 +56,8 @@ __all__ = [
     "E4M3",
     "E5M2",
     "RECIPES",
+    "Fp8CastWarning",
+    "Fp8CastWatch",
     "Fp8Conv1D",
     "Fp8Linear",
     "Fp8Module",
@@ -178,6 +182,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from hf_fp8.backends.native import update_fp8_scales
     from hf_fp8.formats import E4M3, E5M2, cast_to_representable
     from hf_fp8.integrations import peft
+    from hf_fp8.integrations.cast_watch import Fp8CastWarning, Fp8CastWatch
     from hf_fp8.integrations.checkpoint import load_fp8_state, save_fp8_state
     from hf_fp8.integrations.compiled import compile_model as compile
     from hf_fp8.integrations.fp8_checkpoint import save_fp8_pretrained

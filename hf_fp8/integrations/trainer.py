@@ -8,7 +8,9 @@ FP8 casts cost more than FP8 GEMMs save), and then, at every optimizer step:
   over the data-parallel ranks in one all-reduce, scales updated, histories rolled);
 * guards against a non-finite loss, gradient or amax, naming the layer, and applies the recipe's
   ``nan_policy`` (``raise``, ``skip_step`` or ``increase_margin``);
-* on logging steps adds FP8 telemetry (:mod:`hf_fp8.integrations.telemetry`) to the Trainer's logs;
+* on logging steps adds FP8 telemetry (:mod:`hf_fp8.integrations.telemetry`) to the Trainer's logs,
+  and warns (:class:`~hf_fp8.integrations.cast_watch.Fp8CastWarning`, naming the layer) when the share
+  of values saturated or flushed to zero grows, before a loss spike shows it;
 * on checkpoint saves writes ``fp8_state.safetensors`` into the checkpoint folder, and on
   ``resume_from_checkpoint`` loads it back, so the resumed run uses the scales of the uninterrupted one.
 
@@ -28,6 +30,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_fp8.integrations.cast_watch import Fp8CastWatch
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, load_fp8_state, save_fp8_state
 from hf_fp8.integrations.compiled import compile_model
 from hf_fp8.integrations.guard import Fp8NanGuard
@@ -96,7 +99,8 @@ class Fp8TrainerCallback(TrainerCallback):
         self._model: nn.Module | None = None
         self._telemetry: Fp8Telemetry | None = None
         self._guard: Fp8NanGuard | None = None
-        self._pending_logs: tuple[StagedLogs, dict[str, Any]] | None = None
+        self._watch = Fp8CastWatch()
+        self._pending_logs: tuple[StagedLogs, dict[str, Any], int] | None = None
         self._logging = False  # whether the step under way will be logged
         # Where Fp8Trainer.train was told to resume from (a plain Trainer does not tell callbacks).
         self.resume_from: str | None = None
@@ -186,7 +190,8 @@ class Fp8TrainerCallback(TrainerCallback):
         if compiles and sampled == 0 and self.sample_layers is None:
             self.report.add_note(
                 "no saturation / flush-to-zero telemetry under compilation (each sampled block would "
-                "compile once more); Fp8TrainerCallback(sample_layers=8) logs it"
+                "compile once more), so no warning when they grow; Fp8TrainerCallback(sample_layers=8) "
+                "logs and watches them"
             )
         self._telemetry = Fp8Telemetry(model, sampled)
         self._guard = Fp8NanGuard(model, self.max_consecutive_skips)
@@ -221,14 +226,17 @@ class Fp8TrainerCallback(TrainerCallback):
         extra = {"fp8/skipped_steps": self.skipped_steps, "fp8/margin": self.recipe.margin}
         # By steps, the log comes right after this step or not at all; by epoch, it takes the newest.
         if control.should_log or logging_strategy(args) != "steps":
-            self._pending_logs = (staged, extra)
+            self._pending_logs = (staged, extra, state.global_step)
 
     def pop_telemetry(self) -> dict[str, Any]:
-        """The telemetry of the step about to be logged (once)."""
+        """The telemetry of the step about to be logged (once), watched for growing saturation and
+        flushing (:class:`Fp8CastWatch` warns)."""
         if self._pending_logs is None:
             return {}
-        (staged, extra), self._pending_logs = self._pending_logs, None
-        return {**staged.read(), **extra}
+        (staged, extra, step), self._pending_logs = self._pending_logs, None
+        telemetry = staged.read()
+        self._watch.check(step, telemetry)
+        return {**telemetry, **extra}
 
     def on_log(self, args, state, control, logs: dict | None = None, **kwargs) -> None:
         telemetry = self.pop_telemetry()
