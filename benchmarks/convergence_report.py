@@ -164,3 +164,43 @@ def report(folder: Path, runs: list[str], window: int, spike: float = 0.1) -> st
     text = table(curves, runs, spike=spike)
     (folder / "table.md").write_text(text + "\n")
     return text
+
+
+def summary_figure(folders: list[Path], out: Path, window: int = 50) -> Path:
+    """One PNG for the README: the first folder's smoothed loss curves, then for every folder each run's
+    smoothed loss over BF16's (a panel a folder, titled by the folder's name)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(folders) + 1, figsize=(5 * (len(folders) + 1), 4))
+    for i, folder in enumerate(folders):
+        curves = {p.stem: read_curve(p) for p in sorted(folder.glob("*.jsonl")) if p.stem != "summaries"}
+        base = moving_average(curves.pop("bf16")["losses"], window)
+        if i == 0:
+            axes[0].plot(range(1, len(base) + 1), base, label="bf16", linewidth=1.5, color="black")
+            for run, curve in curves.items():
+                ours = moving_average(curve["losses"], window)
+                axes[0].plot(range(1, len(ours) + 1), ours, label=run, linewidth=0.8)
+            axes[0].set(title=f"{folder.name}: training loss", xlabel="step", yscale="log")
+            axes[0].legend(fontsize=7)
+        ax = axes[i + 1]
+        for run, curve in curves.items():
+            ours = moving_average(curve["losses"], window)
+            gaps = [100 * (a / b - 1) for a, b in zip(ours, base, strict=False)]
+            ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=0.8)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set(title=f"{folder.name}: loss vs BF16, %", xlabel="step")
+        ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the README's convergence figure from runs' folders")
+    parser.add_argument("out", type=Path, help="the PNG to write")
+    parser.add_argument("folders", type=Path, nargs="+", help="convergence.py --folder folders")
+    parsed = parser.parse_args()
+    print(summary_figure(parsed.folders, parsed.out))

@@ -159,7 +159,7 @@ def _recipes(argv: list[str]) -> int:
         "--show", metavar="NAME", help="print this recipe's keys as YAML (a file to start from)"
     )
     args = parser.parse_args(argv)
-    from hf_fp8.recipe import RECIPE_PURPOSES, RECIPES
+    from hf_fp8.recipe import RECIPE_LONG_RUNS, RECIPE_PURPOSES, RECIPES
 
     if args.show is not None:
         print(_load_recipe(args.show).to_yaml(), end="")
@@ -167,9 +167,11 @@ def _recipes(argv: list[str]) -> int:
     width = max(map(len, RECIPES))
     for name in RECIPES:
         print(f"{name:{width}}  {RECIPE_PURPOSES[name]}")
+        print(f"{'':{width}}    long runs against BF16: {RECIPE_LONG_RUNS[name]}")
     print(
         "\nUse one by name (patch_model(model, NAME), Fp8TrainerCallback(NAME), --recipe NAME), or start a "
-        "YAML file of your own from one: hf-fp8 recipes --show NAME > my-recipe.yaml"
+        "YAML file of your own from one: hf-fp8 recipes --show NAME > my-recipe.yaml. The long runs: "
+        "docs/recipes.md#long-runs"
     )
     return 0
 

@@ -327,6 +327,8 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
     assert set(q_proj) == {"input", "weight", "grad_output"} and q_proj["weight"][0] > 0
     assert all(0 <= fraction <= 1 for scale, *fractions in q_proj.values() for fraction in fractions)
     assert fp8["summary"]["fp8_flop_share"] > 0 and bf16["summary"]["fp8_flop_share"] == 0
+    figure = curves.summary_figure([folder], tmp_path / "figure.png")  # the README's, from these runs
+    assert figure.stat().st_size > 0
 
 
 def test_convergence_table_holds_a_run_to_the_issue_bounds():

@@ -279,6 +279,11 @@ def test_recipes_lists_every_named_recipe_with_what_it_is_for():
     for name in RECIPES:
         assert any(line.split()[:1] == [name] and RECIPE_PURPOSES[name] in line for line in lines), name
     assert "hf-fp8 recipes --show NAME" in result.stdout
+    # each with what the long runs against BF16 measured; the recipes over issue 46's bounds say so
+    long_runs = {lines[i].split()[0]: lines[i + 1] for i in range(len(lines) - 1) if lines[i].split()[:1]
+                 and lines[i].split()[0] in RECIPES}  # fmt: skip
+    assert set(long_runs) == set(RECIPES) and all("long runs against BF16: " in v for v in long_runs.values())
+    assert "OVER the 0.5% bound" in long_runs["lora-fp8"] and "within the bounds" in long_runs["block"]
 
 
 def test_recipes_show_prints_a_recipe_that_loads_back(tmp_path):
