@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hf_fp8.numerics.blockwise  # (registers the op hf_fp8::emulated_block_mm)
 import hf_fp8.numerics.cpu_gemm  # noqa: F401  (registers the op hf_fp8::emulated_fp8_mm)
 from hf_fp8 import Fp8Linear, Fp8Recipe
 from hf_fp8.formats import E4M3, Fp8Format, gpu_has_fp8
@@ -35,9 +36,13 @@ def pytest_collection_modifyitems(config, items):
 class ScaledMmCalls(TorchDispatchMode):
     """Records the operand dtypes of every FP8 GEMM made inside the ``with`` block: ``aten._scaled_mm``,
     or on a CPU whose ``_scaled_mm`` is slow for the pairing, hf-fp8's emulation of it
-    (hf_fp8.numerics.cpu_gemm)."""
+    (hf_fp8.numerics.cpu_gemm), or of a block-scaled one (hf_fp8.numerics.blockwise)."""
 
-    GEMMS = (torch.ops.aten._scaled_mm.default, torch.ops.hf_fp8.emulated_fp8_mm.default)
+    GEMMS = (
+        torch.ops.aten._scaled_mm.default,
+        torch.ops.hf_fp8.emulated_fp8_mm.default,
+        torch.ops.hf_fp8.emulated_block_mm.default,
+    )
 
     def __init__(self) -> None:
         super().__init__()

@@ -56,8 +56,9 @@ def from_pretrained(
 
     Args:
         path: a local checkpoint folder (nothing is downloaded at run time).
-        recipe: default ``lora-fp8-block`` for an FP8 checkpoint (its block-scaled weights kept as they
-            are), ``lora-fp8`` for a plain one.
+        recipe: default ``lora-fp8-block``: an FP8 checkpoint's block-scaled weights kept as they are, a
+            plain checkpoint's quantized on load into 128x128 blocks (closer to BF16 than one scale a
+            tensor on every measurement: docs/recipes.md#long-runs).
         dtype: the dtype of everything that is not stored in FP8.
         device: where the model goes (default: the first CUDA GPU if there is one, else the CPU).
         model_class: the transformers auto class, ``AutoModelForCausalLM`` by default.
@@ -68,7 +69,7 @@ def from_pretrained(
             f"hf_fp8.from_pretrained loads a local checkpoint folder; {str(path)!r} is not one"
         )
     fp8_checkpoint = is_fp8_checkpoint(path)
-    recipe = as_recipe(recipe if recipe is not None else ("lora-fp8-block" if fp8_checkpoint else "lora-fp8"))
+    recipe = as_recipe(recipe if recipe is not None else "lora-fp8-block")
     if fp8_checkpoint:
         if kwargs:
             raise TypeError(f"hf_fp8.from_pretrained: an FP8 checkpoint takes no {sorted(kwargs)}")

@@ -45,6 +45,7 @@ __all__ = [
     "cast_blocks",
     "cast_tiles",
     "cast_tiles_transposed",
+    "emulated_block_mm",
     "expand_block_scales",
 ]
 
@@ -170,9 +171,37 @@ def block_mm(
         return torch._scaled_mm(a, b.t(), a_inverse, b_inverse, out_dtype=out_dtype)
     if a.device.type != "cpu" and not torch.compiler.is_compiling():  # a warning would break a graph
         _warn_once(a.device.type)
+    return emulated_block_mm(a, b, a_scales, b_scales, BLOCK if b_in_blocks else 1, out_dtype)
+
+
+@torch.library.custom_op("hf_fp8::emulated_block_mm", mutates_args=())
+def emulated_block_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_block_rows: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`block_mm` where no block-scaled kernel runs: each operand's exact FP8 values over their
+    tile or block scales in float32 (``b``'s blocks ``b_block_rows`` rows high), a float32 GEMM, one
+    rounding to ``out_dtype``. An op of its own, so that whoever watches the dispatcher (a test, a
+    profiler) sees an FP8 GEMM as such."""
     a_values = a.float() / expand_block_scales(a_scales, *a.shape, block_rows=1)
-    b_values = b.float() / expand_block_scales(b_scales, *b.shape, block_rows=BLOCK if b_in_blocks else 1)
+    b_values = b.float() / expand_block_scales(b_scales, *b.shape, block_rows=b_block_rows)
     return in_dtype(a_values @ b_values.t(), out_dtype)
+
+
+@emulated_block_mm.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_block_rows: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @torch.compiler.assume_constant_result  # compiled code asks at trace time and keeps the answer

@@ -87,6 +87,7 @@ def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode,
     ):
         assert section in report
     assert ("full fine-tune" if mode else "LoRA") in report
+    assert "FP8 weight storage off" in report  # the default recipe keeps the base weights as they are
     rows = (out / "losses.csv").read_text().splitlines()
     assert len(rows) == 3
     if mode:  # --precision fp32

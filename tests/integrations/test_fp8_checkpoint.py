@@ -282,9 +282,10 @@ def test_transformers_runs_the_saved_model_on_a_gpu_with_its_fp8_kernels_and_agr
 
 
 def test_one_loader_for_every_checkpoint_and_recipe_returns_the_model_and_its_report(source, saved, tmp_path):
-    """hf_fp8.from_pretrained: an FP8 checkpoint keeps its block-scaled values (lora-fp8-block), a plain
-    one is quantized on load (lora-fp8), and a recipe without fp8_weights gives trainable weights; each
-    returns (model, report) and takes transformers' ``dtype``."""
+    """hf_fp8.from_pretrained: an FP8 checkpoint keeps its block-scaled values (lora-fp8-block, the
+    default), a plain one is quantized on load (into blocks by default, one scale a tensor under
+    lora-fp8), and a recipe without fp8_weights gives trainable weights; each returns (model, report) and
+    takes transformers' ``dtype``."""
     import hf_fp8
 
     model, report = hf_fp8.from_pretrained(saved, device="cpu")
@@ -295,8 +296,11 @@ def test_one_loader_for_every_checkpoint_and_recipe_returns_the_model_and_its_re
     source.save_pretrained(plain)
     frozen, frozen_report = hf_fp8.from_pretrained(plain, device="cpu", dtype=torch.float32)
     layer = frozen.get_submodule(layer_names(QUANTIZED)[0])
-    assert layer.weight_in_fp8 and not layer.weight.in_blocks and not layer.weight.requires_grad
+    assert layer.weight_in_fp8 and layer.weight.in_blocks and not layer.weight.requires_grad
     assert frozen_report.recipe.fp8_weights and frozen.model.embed_tokens.weight.dtype == torch.float32
+    tensorwise, _ = hf_fp8.from_pretrained(plain, "lora-fp8", device="cpu")
+    layer = tensorwise.get_submodule(layer_names(QUANTIZED)[0])
+    assert layer.weight_in_fp8 and not layer.weight.in_blocks
     trainable, trained_report = hf_fp8.from_pretrained(plain, "hybrid-delayed", device="cpu")
     layer = trainable.get_submodule(layer_names(QUANTIZED)[0])
     assert isinstance(layer, Fp8Module) and not layer.weight_in_fp8 and layer.weight.requires_grad
