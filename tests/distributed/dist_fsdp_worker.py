@@ -2,13 +2,15 @@
 every decoder layer and the root, gloo on the CPU), or unsharded in one process as the reference.
 
     python dist_fsdp_worker.py OUT_DIR STEPS [--save-at N] [--resume-from DIR] [--fp8-all-gather]
-        [--device cuda] [--accelerate]
+        [--device cuda] [--accelerate] [--hsdp]
 
-Every run sees the same global batches (each rank its own half). It writes, per step, the loss and
+Every run sees the same global batches (each rank its own share). It writes, per step, the loss and
 one layer's FP8 state to OUT_DIR/rank{R}.json; ``--save-at N`` checkpoints model, optimizer and FP8
 state after step N with torch.distributed.checkpoint and ``save_fp8_state``; ``--resume-from`` starts
 from such a checkpoint; ``--fp8-all-gather`` patches with the recipe's ``fp8_all_gather`` and records what
-one layer's forward reads as its weight; ``--device cuda`` runs each rank on its GPU with NCCL.
+one layer's forward reads as its weight; ``--device cuda`` runs each rank on its GPU with NCCL;
+``--hsdp`` shards over a 2-D mesh (HSDP: the ranks in two replicas, each sharding the weights over its
+half of the ranks).
 
 ``--accelerate`` shards the way a user of Accelerate does: a BF16 model, ``hf_fp8.prepare_fp8`` and
 Accelerate's own FSDP2 preparation (float32 master weights, sharding on the meta device, the weights
@@ -44,6 +46,14 @@ LENGTH = 32
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "fsdp2.yaml"
 
 
+def hsdp_mesh(device: str):
+    """Two replicas, each sharding over half of the ranks (FSDP2's HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+
 class FullyShard:
     """``fully_shard`` on every decoder layer and the root; checkpoints with DCP and ``save_fp8_state``."""
 
@@ -52,9 +62,10 @@ class FullyShard:
         # before sharding; native: the FP8 all-gather is its (and backend 'auto' picks TE where TE imports)
         hf_fp8.patch_model(model, recipe=recipe, backend="native")
         if sharded:
+            mesh = hsdp_mesh(args.device) if args.hsdp else None
             for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -119,6 +130,7 @@ def main() -> None:
     parser.add_argument("--fp8-all-gather", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--hsdp", action="store_true")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank shows where, in the test's log
     sharded = "RANK" in os.environ

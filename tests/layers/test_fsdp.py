@@ -301,3 +301,49 @@ def test_gpu_trainer_with_an_fsdp2_config_all_gathers_in_fp8_and_resumes(tmp_pat
     assert [s["step"] for s in again["steps"]] == [4, 5, 6]
     for step in ("4", "5", "6"):
         assert again["losses"][step] == pytest.approx(a["losses"][step], rel=1e-3), step
+
+
+HSDP_WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory) -> dict[str, Path]:
+    """HSDP on four ranks (two replicas, each sharding over two ranks), weights all-gathered in FP8 within
+    each replica: six steps; three, a checkpoint, and three more resumed from it."""
+    folders = {n: tmp_path_factory.mktemp(f"hsdp-{n}") for n in ("sharded", "first", "resumed")}
+
+    def on_four_ranks(folder: Path, *args: str) -> None:
+        commands = ranks(HSDP_WORLD, WORKER)
+        run(
+            [([*cmd, str(folder), *args, "--hsdp", "--fp8-all-gather"], env) for cmd, env in commands],
+            folder / "log",
+        )
+
+    on_four_ranks(folders["sharded"], str(STEPS))
+    on_four_ranks(folders["first"], "3", "--save-at", "3")
+    on_four_ranks(folders["resumed"], str(STEPS), "--resume-from", str(folders["first"] / "checkpoint"))
+    return folders
+
+
+def test_hsdp_ranks_share_one_fp8_state_and_train_as_one_process(hsdp, single):
+    """Every rank of both replicas holds the same FP8 state each step (one amax all-reduce over all four);
+    the weight's amax is the whole weight's, the mean of the ranks' losses the one-process loss, and the
+    forward reads its weight all-gathered in FP8 within its replica."""
+    runs = [records(hsdp["sharded"], rank) for rank in range(HSDP_WORLD)]
+    reference = records(single)
+    for step, (*on_ranks, one) in enumerate(zip(*runs, reference, strict=True)):
+        first = on_ranks[0]
+        assert all(r["history"] == first["history"] and r["scale"] == first["scale"] for r in on_ranks), step
+        assert all(
+            r["weight_is_sharded"] and r["weight_seen"]["type"] == "Fp8GatheredWeight" for r in on_ranks
+        )
+        assert sum(r["loss"] for r in on_ranks) / HSDP_WORLD == pytest.approx(one["loss"], rel=5e-3), step
+        assert first["history"][1][0] == pytest.approx(one["history"][1][0], rel=1e-3), step
+
+
+def test_hsdp_resumes_exactly(hsdp):
+    uninterrupted = records(hsdp["sharded"])[3:]
+    resumed = records(hsdp["resumed"])
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert a["loss"] == b["loss"] and a["history"] == b["history"] and a["scale"] == b["scale"]
