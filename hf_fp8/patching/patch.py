@@ -100,6 +100,7 @@ def patch_model(
         if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
+    _refuse_sharded(model)
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
         report = _walk(model, NativeBackend(recipe), convert=False, module_filter_fn=module_filter_fn)[0]
@@ -311,6 +312,25 @@ def _undo(model: nn.Module, replaced: list[Replaced], handles: list[RemovableHan
         set_path(model, entry.path, entry.original)
     for handle in handles:
         handle.remove()
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """Refuses a model whose weights are already DTensors, before anything changes: a layout (tensor
+    parallelism's, FSDP2's) is kept in hooks and references on the modules that a module swap would drop,
+    and would then fail at the first forward with an error that names neither."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"patch_model: {name} is already sharded (a DTensor, {tuple(param.placements)} over "
+                f"{param.device_mesh.size()} ranks), and converting a sharded model would lose its layout. "
+                "Patch before sharding: for FSDP2 or HSDP, patch_model and then fully_shard (prepare_fp8 and "
+                "Fp8TrainerCallback do it in that order). Tensor parallelism (transformers' tp_plan, "
+                "Accelerate's tp_size) is not supported yet: load the model without tp_plan"
+            )
 
 
 def _check_zero(model: nn.Module, recipe: Fp8Recipe, backend: str) -> tuple[int | None, str]:

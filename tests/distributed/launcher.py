@@ -20,6 +20,7 @@ WORKER = HERE / "dist_worker.py"
 FSDP_WORKER = HERE / "dist_fsdp_worker.py"
 TRAINER_WORKER = HERE / "dist_trainer_worker.py"
 TRAINER_FSDP_WORKER = HERE / "dist_trainer_fsdp_worker.py"
+TP_WORKER = HERE / "dist_tp_worker.py"
 DEEPSPEED_WORKER = HERE / "dist_deepspeed_worker.py"
 ACCELERATE_DEEPSPEED_WORKER = HERE / "dist_accelerate_deepspeed_worker.py"
 HF_FP8 = Path(sys.executable).with_name("hf-fp8")
