@@ -39,6 +39,7 @@ from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_childre
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
 from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
+from hf_fp8.patching.tensor_parallel import check_layouts, install_layouts, tensor_parallel_layouts
 from hf_fp8.patching.zero import gather_blocks_whole, zero_refusal, zero_stage
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
@@ -100,7 +101,7 @@ def patch_model(
         if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
-    _refuse_sharded(model)
+    layouts = tensor_parallel_layouts(model)  # refuses a model sharded by fully_shard before patching
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
         report = _walk(model, NativeBackend(recipe), convert=False, module_filter_fn=module_filter_fn)[0]
@@ -112,9 +113,18 @@ def patch_model(
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
     )
     chosen = chosen_class(recipe)
+    if layouts:
+        planned = _walk(model, chosen, convert=False, module_filter_fn=module_filter_fn)[0]
+        check_layouts(layouts, [r.name for r in planned.converted], chosen.name)
     report, replaced, handles = _walk(
         model, chosen, convert=True, fuse=fuse and module_filter_fn is None, module_filter_fn=module_filter_fn
     )
+    if layouts:
+        install_layouts(layouts, {r.path: get_path(model, r.path) for r in replaced})
+        report.notes.append(
+            "tensor parallelism: the sharded layers keep their column- and row-wise layouts and run their "
+            "FP8 casts and GEMMs on their local shards; amaxes are reduced over the ranks at each step's end"
+        )
     if unmatched:
         report.notes.append(unmatched)
     if module_filter_fn is not None and fuse and chosen.fuses_blocks:
@@ -312,25 +322,6 @@ def _undo(model: nn.Module, replaced: list[Replaced], handles: list[RemovableHan
         set_path(model, entry.path, entry.original)
     for handle in handles:
         handle.remove()
-
-
-def _refuse_sharded(model: nn.Module) -> None:
-    """Refuses a model whose weights are already DTensors, before anything changes: a layout (tensor
-    parallelism's, FSDP2's) is kept in hooks and references on the modules that a module swap would drop,
-    and would then fail at the first forward with an error that names neither."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.tensor import DTensor
-
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"patch_model: {name} is already sharded (a DTensor, {tuple(param.placements)} over "
-                f"{param.device_mesh.size()} ranks), and converting a sharded model would lose its layout. "
-                "Patch before sharding: for FSDP2 or HSDP, patch_model and then fully_shard (prepare_fp8 and "
-                "Fp8TrainerCallback do it in that order). Tensor parallelism (transformers' tp_plan, "
-                "Accelerate's tp_size) is not supported yet: load the model without tp_plan"
-            )
 
 
 def _check_zero(model: nn.Module, recipe: Fp8Recipe, backend: str) -> tuple[int | None, str]:

@@ -1,10 +1,12 @@
-"""A worker of tests/distributed/test_distributed.py: patch_model on a model that tensor parallelism
-(transformers' ``tp_plan="auto"``, gloo on the CPU) or FSDP2 has sharded already.
+"""A worker of tests/distributed/test_tensor_parallel.py: FP8 training of a tiny Llama sharded by
+transformers' tensor parallelism (``tp_plan="auto"``, gloo on the CPU), or in one process as the
+reference; or ``patch_model`` on a model that ``fully_shard`` sharded first.
 
-    python dist_tp_worker.py OUT_DIR MODEL_DIR {tp,fsdp}
+    python dist_tp_worker.py OUT_DIR MODEL_DIR {tp,single,fsdp} STEPS
 
-Writes OUT_DIR/rank{R}.json: the refusal's message, whether any module became an FP8 one, and whether
-the model still computes its loss afterwards.
+Every rank trains on the same batches (tensor parallelism splits the layers, not the data). Writes
+OUT_DIR/rank{R}.json: per step the loss and the FP8 state of a column-wise (``q_proj``) and a row-wise
+(``down_proj``) layer; or, for ``fsdp``, the refusal and whether the model still runs.
 """
 
 from __future__ import annotations
@@ -23,17 +25,33 @@ from transformers import AutoModelForCausalLM
 
 import hf_fp8
 
+LAYERS = {"colwise": "model.layers.0.self_attn.q_proj", "rowwise": "model.layers.1.mlp.down_proj"}
 
-def main() -> None:
-    out, model_dir, layout = sys.argv[1:4]
-    dist.init_process_group("gloo")
-    if layout == "tp":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+
+def state(layer) -> dict:
+    """The newest amax of each role (input, weight, gradient) and the scales."""
+    return {"amax": layer.amax_history[:, 1].tolist(), "scale": layer.scale.tolist()}
+
+
+def train(model, steps: int) -> dict:
+    report = hf_fp8.patch_model(model, backend="native")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    records = []
+    for step in range(steps):
+        ids = tm.batch_for("llama", 32, batch_size=4, seed=100 + step)["input_ids"]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        layers = {kind: state(model.get_submodule(name)) for kind, name in LAYERS.items()}
+        records.append({"step": step, "loss": loss.item(), **layers})
+    return {"converted": len(report.converted_gemms), "notes": report.notes, "steps": records}
+
+
+def refuse_sharded(model) -> dict:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
     try:
         hf_fp8.patch_model(model, backend="native")
         refusal = None
@@ -41,14 +59,26 @@ def main() -> None:
         refusal = str(err)
     ids = tm.batch_for("llama", 16, batch_size=2, seed=0)["input_ids"]
     loss = model(input_ids=ids, labels=ids).loss
-    result = {
+    return {
         "refusal": refusal,
         "fp8_modules": sum(isinstance(m, hf_fp8.Fp8Module) for m in model.modules()),
         "loss_is_finite": bool(torch.isfinite(loss)),
     }
-    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    out, model_dir, layout, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    distributed = layout != "single"
+    if distributed:
+        dist.init_process_group("gloo")
+    plan = {"tp_plan": "auto"} if layout == "tp" else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **plan).train()
+    result = refuse_sharded(model) if layout == "fsdp" else train(model, steps)
+    rank = dist.get_rank() if distributed else 0
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

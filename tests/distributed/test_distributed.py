@@ -8,7 +8,7 @@ import sys
 import pytest
 import tiny_models as tm
 import torch
-from launcher import HF_FP8, TP_WORKER, TRAINER_WORKER, WORKER, ranks, run
+from launcher import HF_FP8, TRAINER_WORKER, WORKER, ranks, run
 
 from hf_fp8 import patch_model
 
@@ -108,24 +108,3 @@ def test_trainer_ranks_skip_a_step_together_when_one_rank_sees_a_nan(tmp_path):
     assert [r["skipped"] for r in results] == [1, 1]
     assert results[0]["history"] == results[1]["history"]
     assert all(r["finite"] and r["fp8_steps"] == 4 for r in results)
-
-
-@pytest.mark.parametrize("layout", ["tp", "fsdp"])
-def test_a_model_sharded_before_patching_is_refused_and_left_working(layout, tmp_path):
-    """Weights already DTensors (transformers' tp_plan, or fully_shard first): patch_model refuses before
-    changing anything, names the weight and what to do, and the sharded model still runs."""
-    model_dir = tmp_path / "model"
-    tm.build("llama").save_pretrained(model_dir)
-    run(
-        [([*cmd, str(tmp_path), str(model_dir), layout], env) for cmd, env in ranks(2, TP_WORKER)],
-        tmp_path / "log",
-    )
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        refusal = result["refusal"]
-        assert (
-            refusal is not None
-            and "is already sharded (a DTensor" in refusal
-            and "Patch before sharding" in refusal
-        )
-        assert ("Tensor parallelism" in refusal) and result["fp8_modules"] == 0 and result["loss_is_finite"]
