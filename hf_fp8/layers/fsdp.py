@@ -244,12 +244,13 @@ def gathered_shard(layer: nn.Module) -> torch.Tensor | None:
 def check_releasable(layer: nn.Module) -> None:
     """Raise, before anything is changed, when ``layer`` cannot be given back: once FSDP2 has sharded
     it, FSDP2 holds on to the FP8 layer itself (it sets the gathered weights on it, and with the FP8
-    all-gather gathers through it), so a plain layer in its place would not be trained by it."""
+    all-gather gathers through it), so a plain layer in its place would not be trained by it; under
+    tensor parallelism the FP8 layer carries the layout's forward."""
     if any(isinstance(p, DTensor) for p in layer.parameters(recurse=False)):
         raise ValueError(
-            "this model was sharded with fully_shard after patching: FSDP2 keeps using its FP8 layers, "
-            "so they cannot be swapped back; unpatch before sharding, or save its state_dict (plain "
-            "weights, HF keys) and load it into an unpatched model"
+            "this model's FP8 layers are sharded (DTensor weights: fully_shard after patching, or tensor "
+            "parallelism) and hold its layout, so they cannot be swapped back; unpatch before sharding, or "
+            "save its state_dict (plain weights, HF keys) and load it into an unpatched model"
         )
 
 

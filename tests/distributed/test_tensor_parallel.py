@@ -26,12 +26,24 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir) -> dict:
-    """Five FP8 steps with every decoder layer sharded over two ranks, and in one process."""
-    two, one = tmp_path_factory.mktemp("tp"), tmp_path_factory.mktemp("single")
-    options = [str(model_dir), "tp", str(STEPS)]
-    run([([*cmd, str(two), *options], env) for cmd, env in ranks(2, TP_WORKER)], two / "log")
-    run([([sys.executable, str(TP_WORKER), str(one), str(model_dir), "single", str(STEPS)], {})], one / "log")
-    return {"ranks": [load(two, 0), load(two, 1)], "single": load(one, 0)}
+    """Five FP8 steps with every decoder layer sharded over two ranks; three, a checkpoint, and two more
+    resumed from it; and the five steps in one process."""
+    folders = {n: tmp_path_factory.mktemp(n) for n in ("tp", "first", "resumed", "single")}
+
+    def on_two_ranks(folder: Path, *extra: str) -> None:
+        options = [str(folder), str(model_dir), "tp", str(STEPS), *extra]
+        run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], folder / "log")
+
+    on_two_ranks(folders["tp"])
+    on_two_ranks(folders["first"], "3")
+    on_two_ranks(folders["resumed"], str(folders["first"] / "checkpoint"))
+    single = [sys.executable, str(TP_WORKER), str(folders["single"]), str(model_dir), "single", str(STEPS)]
+    run([(single, {})], folders["single"] / "log")
+    return {
+        "ranks": [load(folders["tp"], 0), load(folders["tp"], 1)],
+        "resumed": [load(folders["resumed"], 0), load(folders["resumed"], 1)],
+        "single": load(folders["single"], 0),
+    }
 
 
 def test_every_projection_converts_and_keeps_its_layout(runs):
@@ -68,3 +80,18 @@ def test_a_model_sharded_by_fully_shard_first_is_refused_and_left_working(model_
             and "Patch before sharding" in result["refusal"]
         )
         assert result["fp8_modules"] == 0 and result["loss_is_finite"]
+
+
+def test_resuming_a_tensor_parallel_checkpoint_gives_the_uninterrupted_run(runs):
+    for rank in (0, 1):
+        uninterrupted, resumed = runs["ranks"][rank]["steps"][3:], runs["resumed"][rank]["steps"]
+        assert [r["step"] for r in resumed] == [3, 4]
+        assert resumed == uninterrupted
+
+
+def test_unpatching_a_tensor_parallel_model_is_refused_with_the_reason(runs):
+    """Its FP8 layers carry the layout's forward; a plain model comes from its state_dict instead. One
+    process unpatches as usual."""
+    for result in runs["ranks"]:
+        assert "tensor parallelism" in result["unpatch"] and "state_dict" in result["unpatch"]
+    assert runs["single"]["unpatch"] is None
