@@ -11,7 +11,8 @@ the whole tensor's amax from the second step on, as FSDP2's shards do.
 
 Column-wise and row-wise linear layers convert; a layer of another style (``colwise_gather_output``,
 packed or expert styles) is refused before anything changes, as is a model sharded by ``fully_shard``
-before patching (its layout lives in FSDP2's references to the old modules).
+before patching or loaded with transformers' ``fsdp_size`` (its layout lives in FSDP2's references to
+the old modules).
 """
 
 from __future__ import annotations
@@ -46,8 +47,17 @@ def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]
     naming the weight, where one has no tensor-parallel style (sharded by ``fully_shard``)."""
     if not torch.distributed.is_available():
         return {}
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    wrapped = next((name for name, m in model.named_modules() if isinstance(m, FSDPModule)), None)
+    if wrapped is not None:
+        raise ValueError(
+            f"patch_model: {wrapped or 'the model'} is already sharded by FSDP2 (fully_shard, or "
+            "transformers' DistributedConfig(fsdp_size=...)), and converting it would lose its layout. Patch "
+            "before sharding: patch_model and then fully_shard (prepare_fp8 and Fp8TrainerCallback do it in "
+            "that order)"
+        )
     plan = getattr(model, "tp_plan", None) or {}
     layouts = {}
     for name, module in model.named_modules():

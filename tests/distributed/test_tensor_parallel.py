@@ -69,14 +69,14 @@ def test_the_ranks_share_one_fp8_state_and_train_as_one_process(runs):
 
 
 def test_a_model_sharded_by_fully_shard_first_is_refused_and_left_working(model_dir, tmp_path):
-    """Weights already DTensors without a tensor-parallel plan: patch_model refuses before changing
-    anything, names the weight and what to do, and the sharded model still runs."""
+    """A model that fully_shard wrapped already: patch_model refuses before changing anything, says
+    what to do, and the sharded model still runs."""
     options = [str(tmp_path), str(model_dir), "fsdp", "0"]
     run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], tmp_path / "log")
     for rank in (0, 1):
         result = load(tmp_path, rank)
         assert (
-            "is already sharded (a DTensor" in result["refusal"]
+            "is already sharded by FSDP2" in result["refusal"]
             and "Patch before sharding" in result["refusal"]
         )
         assert result["fp8_modules"] == 0 and result["loss_is_finite"]
