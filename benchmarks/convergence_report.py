@@ -2,9 +2,13 @@
 
 ``table`` holds each run to issue 46's bounds against the ``bf16`` run: its final training loss within
 0.5%, its held-out perplexity within 1%, and no loss spike that BF16 does not have (every run sees the
-same batches, so a spike is a step whose loss rises well above BF16's on the same batch). ``plot`` draws the
-smoothed loss curves (held-out losses as dots), each run's loss over BF16's, and the FP8 telemetry
-(fractions of values saturated and flushed, forward and backward) over the steps.
+same batches, so a spike is a step whose loss rises well above BF16's on the same batch). ``plot``
+draws the smoothed loss curves (held-out losses as dots), each run's loss over BF16's, and the FP8
+telemetry (fractions of values saturated and flushed, forward and backward) over the steps.
+``summary_figure`` puts several folders' curves in one PNG, the README's:
+
+    python benchmarks/convergence_report.py docs/convergence.png runs/scratch runs/smollm2-full \
+        runs/smollm2-lora
 """
 
 from __future__ import annotations
