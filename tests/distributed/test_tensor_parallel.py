@@ -26,17 +26,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir) -> dict:
-    """Five FP8 steps with every decoder layer sharded over two ranks; three, a checkpoint, and two more
-    resumed from it; and the five steps in one process."""
-    folders = {n: tmp_path_factory.mktemp(n) for n in ("tp", "first", "resumed", "single")}
+    """Five FP8 steps with every decoder layer sharded over two ranks, a checkpoint after the third, and
+    two more resumed from it; and the five steps in one process."""
+    folders = {n: tmp_path_factory.mktemp(n) for n in ("tp", "resumed", "single")}
 
     def on_two_ranks(folder: Path, *extra: str) -> None:
         options = [str(folder), str(model_dir), "tp", str(STEPS), *extra]
         run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], folder / "log")
 
-    on_two_ranks(folders["tp"])
-    on_two_ranks(folders["first"], "3")
-    on_two_ranks(folders["resumed"], str(folders["first"] / "checkpoint"))
+    on_two_ranks(folders["tp"], "3")
+    on_two_ranks(folders["resumed"], str(folders["tp"] / "checkpoint"))
     single = [sys.executable, str(TP_WORKER), str(folders["single"]), str(model_dir), "single", str(STEPS)]
     run([(single, {})], folders["single"] / "log")
     return {

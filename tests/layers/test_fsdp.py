@@ -309,8 +309,8 @@ HSDP_WORLD = 4
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory) -> dict[str, Path]:
     """HSDP on four ranks (two replicas, each sharding over two ranks), weights all-gathered in FP8 within
-    each replica: six steps; three, a checkpoint, and three more resumed from it."""
-    folders = {n: tmp_path_factory.mktemp(f"hsdp-{n}") for n in ("sharded", "first", "resumed")}
+    each replica: six steps with a checkpoint after the third, and three more resumed from it."""
+    folders = {n: tmp_path_factory.mktemp(f"hsdp-{n}") for n in ("sharded", "resumed")}
 
     def on_four_ranks(folder: Path, *args: str) -> None:
         commands = ranks(HSDP_WORLD, WORKER)
@@ -319,9 +319,8 @@ def hsdp(tmp_path_factory) -> dict[str, Path]:
             folder / "log",
         )
 
-    on_four_ranks(folders["sharded"], str(STEPS))
-    on_four_ranks(folders["first"], "3", "--save-at", "3")
-    on_four_ranks(folders["resumed"], str(STEPS), "--resume-from", str(folders["first"] / "checkpoint"))
+    on_four_ranks(folders["sharded"], str(STEPS), "--save-at", "3")
+    on_four_ranks(folders["resumed"], str(STEPS), "--resume-from", str(folders["sharded"] / "checkpoint"))
     return folders
 
 
