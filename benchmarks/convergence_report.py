@@ -105,11 +105,7 @@ def _planned(curve: dict) -> int:
 
 def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
     """``loss.png``, ``ratio.png`` and (with FP8 telemetry) ``telemetry.png`` in ``folder``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     written = []
     fig, ax = plt.subplots(figsize=(8, 5))
     for run, curve in curves.items():
@@ -123,14 +119,7 @@ def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
     base = curves.get("bf16")
     if base is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
-        reference = moving_average(base["losses"], window)
-        for run, curve in curves.items():
-            if run == "bf16":
-                continue
-            ours = moving_average(curve["losses"], window)
-            gaps = [100 * (a / b - 1) for a, b in zip(ours, reference, strict=False)]
-            ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=1)
-        ax.axhline(0, color="black", linewidth=0.5)
+        _draw_gaps(ax, base, {r: c for r, c in curves.items() if r != "bf16"}, window, linewidth=1)
         ax.set(xlabel="step", ylabel=f"loss vs BF16, % (mean of {window} steps)")
         ax.legend()
         written.append(_save(fig, folder / "ratio.png"))
@@ -149,6 +138,26 @@ def plot(folder: Path, curves: dict[str, dict], window: int) -> list[Path]:
             ax.legend(fontsize=7)
         written.append(_save(fig, folder / "telemetry.png"))
     return written
+
+
+def _pyplot():
+    """matplotlib's pyplot, drawing to files (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_gaps(ax, base: dict, curves: dict[str, dict], window: int, linewidth: float) -> None:
+    """Each of ``curves``' smoothed loss over ``base``'s, in percent, step by step, and the zero line."""
+    reference = moving_average(base["losses"], window)
+    for run, curve in curves.items():
+        ours = moving_average(curve["losses"], window)
+        gaps = [100 * (a / b - 1) for a, b in zip(ours, reference, strict=False)]
+        ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=linewidth)
+    ax.axhline(0, color="black", linewidth=0.5)
 
 
 def _save(fig, path: Path) -> Path:
@@ -173,28 +182,21 @@ def report(folder: Path, runs: list[str], window: int, spike: float = 0.1) -> st
 def summary_figure(folders: list[Path], out: Path, window: int = 50) -> Path:
     """One PNG for the README: the first folder's smoothed loss curves, then for every folder each run's
     smoothed loss over BF16's (a panel a folder, titled by the folder's name)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(folders) + 1, figsize=(5 * (len(folders) + 1), 4))
     for i, folder in enumerate(folders):
         curves = {p.stem: read_curve(p) for p in sorted(folder.glob("*.jsonl")) if p.stem != "summaries"}
-        base = moving_average(curves.pop("bf16")["losses"], window)
+        base = curves.pop("bf16")
         if i == 0:
-            axes[0].plot(range(1, len(base) + 1), base, label="bf16", linewidth=1.5, color="black")
+            smoothed = moving_average(base["losses"], window)
+            axes[0].plot(range(1, len(smoothed) + 1), smoothed, label="bf16", linewidth=1.5, color="black")
             for run, curve in curves.items():
                 ours = moving_average(curve["losses"], window)
                 axes[0].plot(range(1, len(ours) + 1), ours, label=run, linewidth=0.8)
             axes[0].set(title=f"{folder.name}: training loss", xlabel="step", yscale="log")
             axes[0].legend(fontsize=7)
         ax = axes[i + 1]
-        for run, curve in curves.items():
-            ours = moving_average(curve["losses"], window)
-            gaps = [100 * (a / b - 1) for a, b in zip(ours, base, strict=False)]
-            ax.plot(range(1, len(gaps) + 1), gaps, label=run, linewidth=0.8)
-        ax.axhline(0, color="black", linewidth=0.5)
+        _draw_gaps(ax, base, curves, window, linewidth=0.8)
         ax.set(title=f"{folder.name}: loss vs BF16, %", xlabel="step")
         ax.legend(fontsize=7)
     return _save(fig, out)

@@ -17,7 +17,6 @@ the old modules).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +57,19 @@ def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]
             "before sharding: patch_model and then fully_shard (prepare_fp8 and Fp8TrainerCallback do it in "
             "that order)"
         )
-    plan = getattr(model, "tp_plan", None) or {}
-    layouts = {}
+    sharded_modules = {}
     for name, module in model.named_modules():
         sharded = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
-        if not sharded:
-            continue
-        style_name = plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", name))
+        if sharded:
+            sharded_modules[name] = sharded
+    if not sharded_modules:
+        return {}
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
+
+    plan = getattr(model, "tp_plan", None) or {}
+    layouts = {}
+    for name, sharded in sharded_modules.items():
+        style_name = plan.get(replace_layer_number_by_wildcard(name))
         if style_name is None:
             param_name, param = sharded[0]
             raise ValueError(
@@ -73,8 +78,6 @@ def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]
                 "lose its layout. Patch before sharding: for FSDP2 or HSDP, patch_model and then fully_shard "
                 "(prepare_fp8 and Fp8TrainerCallback do it in that order)"
             )
-        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-
         mesh = sharded[0][1].device_mesh
         layouts[name] = TensorParallelLayout(ALL_PARALLEL_STYLES[style_name], style_name, mesh)
     return layouts
