@@ -13,6 +13,9 @@ Rows:
   Each step reads its loss (as a progress bar does).
 * ``sft-*``: TRL's ``SFTTrainer`` with packing (``trl_bench.py``'s rows).
 
+An FP8 row may name a recipe after ``@`` (``trainer-fp8@head-backward``): the callback's or
+``prepare_fp8``'s ``recipe``; without one, their default.
+
 Trainer rows log every step (``--logging-steps 1``, the worst case for host syncs) and clip gradients at
 1.0 (the Trainer's default, ``--max-grad-norm``). Each optimizer step is
 timed with the device synchronized at both ends (median after ``--warmup``); the warm-up is everything
@@ -55,6 +58,16 @@ def token_rows(args: argparse.Namespace, count: int) -> list[dict]:
     return rows
 
 
+def base_mode(mode: str) -> str:
+    """``trainer-fp8`` of ``trainer-fp8@head-backward``."""
+    return mode.partition("@")[0]
+
+
+def recipe_of(mode: str) -> str | None:
+    """The recipe an FP8 row names after ``@``, else ``None`` (the entry point's default)."""
+    return mode.partition("@")[2] or None
+
+
 def compiled_graphs() -> int:
     import torch._dynamo.utils
 
@@ -82,16 +95,13 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
         save_strategy="no",
         bf16=args.device == "cuda",
         use_cpu=args.device == "cpu",
-        torch_compile=mode.endswith("-compile"),
+        torch_compile=base_mode(mode).endswith("-compile"),
         disable_tqdm=True,
         seed=0,
     )
     timer = step_timer(args.device, args.warmup if args.profile else None)
-    fp8 = (
-        hf_fp8.Fp8TrainerCallback()
-        if args.sample_layers is None
-        else hf_fp8.Fp8TrainerCallback(sample_layers=args.sample_layers)
-    )
+    options = {"sample_layers": args.sample_layers} if args.sample_layers is not None else {}
+    fp8 = hf_fp8.Fp8TrainerCallback(recipe_of(mode), **options)
     callbacks = [timer] + ([fp8] if "fp8" in mode else [])
     tracer = None
     if args.phases:
@@ -143,12 +153,12 @@ def loop_row(mode: str, args: argparse.Namespace) -> dict:
     accelerator = Accelerator(
         mixed_precision="bf16" if args.device == "cuda" else "no",
         cpu=args.device == "cpu",
-        dynamo_backend="inductor" if mode.endswith("-compile") else None,
+        dynamo_backend="inductor" if base_mode(mode).endswith("-compile") else None,
     )
     model = model_for(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     if "fp8" in mode:
-        model, optimizer, _ = hf_fp8.prepare_fp8(accelerator, model, optimizer)
+        model, optimizer, _ = hf_fp8.prepare_fp8(accelerator, model, optimizer, recipe=recipe_of(mode))
         guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -199,7 +209,7 @@ def sft_row(mode: str, args: argparse.Namespace) -> dict:
 
 
 def run_one(mode: str, args: argparse.Namespace) -> dict:
-    runner = {"trainer": trainer_row, "loop": loop_row, "sft": sft_row}[mode.split("-")[0]]
+    runner = {"trainer": trainer_row, "loop": loop_row, "sft": sft_row}[base_mode(mode).split("-")[0]]
     try:
         return runner(mode, args)
     except Exception as err:  # one broken row must not hide the others
@@ -220,7 +230,7 @@ def print_table(results: list[dict]) -> None:
         if "error" in r:
             print(f"| {r['mode']} | error: {r['error'][:90]} |||||||")
             continue
-        door = r["mode"].split("-")[0]
+        door = base_mode(r["mode"]).split("-")[0]
         cells = []
         for base in (by_mode.get(f"{door}-bf16"), by_mode.get(f"{door}-bf16-compile")):
             cells.append(f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-")
@@ -270,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         append_result(result, args.out)
         return 0 if "error" not in result else 1
     modes = args.modes.split(",")
-    if unknown := sorted(set(modes) - set(MODES)):
+    if unknown := sorted({base_mode(m) for m in modes} - set(MODES)):
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     results = run_modes_in_processes("trainer_bench.py", args, modes, ("profile", "phases", "host_profile"))
     print_table(results)

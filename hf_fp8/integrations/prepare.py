@@ -44,8 +44,9 @@ def prepare_fp8(
     Engine fuses q/k/v into one weight), an optimizer that has not stepped yet and has one parameter
     group swaps the replaced parameters for the new trainable ones (parameters that are not the
     model's stay); any other optimizer is refused rather than left updating parameters the model no
-    longer uses. ``recipe=None`` reads ``HF_FP8_RECIPE`` (set by
-    ``hf-fp8 launch``) or uses the defaults. Returns the prepared model, optimizer and the report.
+    longer uses. ``recipe=None`` reads ``HF_FP8_RECIPE`` (set by ``hf-fp8 launch``), else takes
+    ``patch_model``'s default for the model's weights. Returns the prepared model, optimizer and the
+    report.
     """
     check_model(model, "prepare_fp8")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):

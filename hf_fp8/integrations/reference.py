@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.integrations.compiled import compile_model, compiles_by_default
+from hf_fp8.patching.default_recipe import default_recipe
 from hf_fp8.patching.patch import patch_model
 from hf_fp8.recipe import Fp8Recipe, as_recipe
 from hf_fp8.report import PatchReport
@@ -41,12 +42,13 @@ def prepare_reference(
     compile it block by block as the Trainer callback compiles the policy.
 
     ``recipe`` is the policy's (``None``: the callback's default, the recipe ``hf-fp8 launch`` handed
-    over, else the defaults); FP8 in eval mode is switched on. ``"reference-fp8"`` stores the weights in
-    FP8 instead (half the memory of a BF16 reference), at the price of scoring the first step slightly
-    otherwise than the policy. ``compile=None`` (default) compiles when the backend compiles and an FP8
-    GPU is there to run it (the CPU stays eager, as the policy does). Pass the model to the trainer as it
-    is (``DPOTrainer(ref_model=model)``). Returns the report. A reference kept in BF16 needs none of
-    this: pass it unpatched.
+    over, else ``patch_model``'s default for the reference's weights, ``backward-fp8`` for a
+    checkpoint's, as for a policy loaded from the same one); FP8 in eval mode is switched on.
+    ``"reference-fp8"`` stores the weights in FP8 instead (half the memory of a BF16 reference), at the
+    price of scoring the first step slightly otherwise than the policy. ``compile=None`` (default)
+    compiles when the backend compiles and an FP8 GPU is there to run it (the CPU stays eager, as the
+    policy does). Pass the model to the trainer as it is (``DPOTrainer(ref_model=model)``). Returns the
+    report. A reference kept in BF16 needs none of this: pass it unpatched.
     """
     check_model(model, "prepare_reference")
     if compile not in (None, True, False):
@@ -54,7 +56,8 @@ def prepare_reference(
             f"prepare_reference: compile must be True, False or None (compile on an FP8 GPU), got {compile!r}"
         )
     model.requires_grad_(False)
-    recipe = dataclasses.replace(as_recipe(recipe), use_during_eval=True)
+    chosen = as_recipe(recipe) if recipe is not None else default_recipe(model, backend)
+    recipe = dataclasses.replace(chosen, use_during_eval=True)
     report = patch_model(model, recipe, backend=backend)
     report.notes.append("a frozen reference model: its forwards run as the policy's, its weights never train")
     if compile or (compile is None and compiles_by_default(model, _fp8_device(model), sharded=False)):

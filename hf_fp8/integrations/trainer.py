@@ -46,6 +46,7 @@ from hf_fp8.integrations.training_arguments import (
     saved_checkpoint,
     should_compile,
 )
+from hf_fp8.patching.default_recipe import default_recipe
 from hf_fp8.patching.patch import is_patched, patch_model, patch_or_recheck
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
@@ -60,7 +61,8 @@ class Fp8TrainerCallback(TrainerCallback):
 
     Args:
         recipe: the FP8 recipe; ``None`` takes the recipe of an already patched model, else the one
-            ``hf-fp8 launch`` handed over, else the defaults.
+            ``hf-fp8 launch`` handed over, else ``patch_model``'s default for the model's weights
+            (``backward-fp8`` for a checkpoint's, the defaults for a model built from a config).
         backend: ``patch_model``'s backend when the callback patches the model.
         sample_layers: FP8 layers whose casts are sampled for saturation / flush-to-zero telemetry,
             rounded up to whole decoder blocks; 0: none. ``None`` (default): 8 when the model runs
@@ -166,9 +168,8 @@ class Fp8TrainerCallback(TrainerCallback):
             # patched before the model took its final form (PEFT) or before DeepSpeed showed
             self.report = patch_or_recheck(model)
         else:
-            self.report = patch_model(
-                model, self.recipe, backend=backend_for(self.backend, args, self.recipe)
-            )
+            recipe = self.recipe or default_recipe(model, self.backend)
+            self.report = patch_model(model, self.recipe, backend=backend_for(self.backend, args, recipe))
             self.recipe = self.report.recipe
         if self._guard is not None:
             self._guard.remove()

@@ -117,7 +117,7 @@ def checkpointing_requested(args: Any) -> bool:
     return bool(getattr(args, name, False))
 
 
-def backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
+def backend_for(backend: str, args: Any, recipe: Fp8Recipe) -> str:
     """``auto`` decided by the device the Trainer trains on: the model may still be on the CPU when the
     Trainer is built (FSDP, DeepSpeed, full-precision eval settings move it later); with ``fsdp`` in the
     arguments, a backend that trains sharded; under DeepSpeed, as asked: ``patch_model`` sees the ZeRO
@@ -131,7 +131,7 @@ def backend_for(backend: str, args: Any, recipe: Fp8Recipe | None) -> str:
     if backend != "auto":
         return backend
     device = getattr(args, "device", torch.device("cpu"))
-    return backend_class("auto", device, recipe or Fp8Recipe.from_launcher()).name
+    return backend_class("auto", device, recipe).name
 
 
 def logging_strategy(args: Any) -> str:

@@ -37,6 +37,7 @@ from hf_fp8.checks import check_amax_group, check_model
 from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
+from hf_fp8.patching.default_recipe import default_recipe, default_recipe_note
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
 from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
 from hf_fp8.patching.tensor_parallel import check_layouts, install_layouts, tensor_parallel_layouts
@@ -74,7 +75,9 @@ def patch_model(
             ``from_pretrained``, before its optimizer is created.
         recipe: how FP8 is used: an :class:`Fp8Recipe`, a recipe name, a YAML path or a dict of recipe
             keys. ``None``: the recipe in ``HF_FP8_RECIPE`` (set by ``hf-fp8 launch``) when that
-            variable is set, else :class:`Fp8Recipe` defaults.
+            variable is set, else ``backward-fp8`` for weights loaded from a checkpoint and the
+            :class:`Fp8Recipe` defaults for weights built from a config (see
+            :mod:`hf_fp8.patching.default_recipe`; the report says which).
         backend: ``"native"`` (PyTorch FP8, CPU and GPU), ``"te"`` (Transformer Engine, FP8 GPUs) or
             ``"auto"`` (TE for a model on a GPU that supports FP8 when TE imports, else native).
         fuse: fuse whole blocks where the backend knows how (TE: Llama-family decoder blocks).
@@ -92,7 +95,7 @@ def patch_model(
     check_amax_group(amax_group)
     _check_filter(module_filter_fn, "patch_model")
     asked = recipe
-    recipe = as_recipe(recipe)
+    recipe = as_recipe(recipe) if recipe is not None else default_recipe(model, backend)
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
@@ -127,6 +130,8 @@ def patch_model(
         )
     if unmatched:
         report.notes.append(unmatched)
+    if asked is None and (chose := default_recipe_note(model, backend)) is not None:
+        report.notes.append(chose)
     if module_filter_fn is not None and fuse and chosen.fuses_blocks:
         report.notes.append("no block fused: a module_filter_fn decides layer by layer")
     report.notes += [f"backend auto chose {chosen.name} over {why}" for why in passed_over]
@@ -177,7 +182,7 @@ def plan_patch(
     model (which may live on the meta device, as ``hf-fp8 inspect`` builds it)."""
     check_model(model, "plan_patch")
     _check_filter(module_filter_fn, "plan_patch")
-    backend = NativeBackend(as_recipe(recipe))
+    backend = NativeBackend(as_recipe(recipe) if recipe is not None else default_recipe(model, "native"))
     return _walk(model, backend, convert=False, module_filter_fn=module_filter_fn)[0]
 
 

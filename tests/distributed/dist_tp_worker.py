@@ -39,7 +39,7 @@ def fp8_state(layer) -> dict:
 
 
 def train(model, steps: int, checkpoint: str | None) -> dict:
-    report = hf_fp8.patch_model(model, backend="native")
+    report = hf_fp8.patch_model(model, "hybrid-delayed", backend="native")  # FP8 forwards on the shards too
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = 0
     if checkpoint is not None and not checkpoint.isdigit():  # resume
@@ -87,7 +87,7 @@ def refuse_sharded(model) -> dict:
         fully_shard(layer)
     fully_shard(model)
     try:
-        hf_fp8.patch_model(model, backend="native")
+        hf_fp8.patch_model(model, "hybrid-delayed", backend="native")
         refusal = None
     except ValueError as err:
         refusal = str(err)
