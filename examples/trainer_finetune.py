@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (16-2048)")
     parser.add_argument("--lr", type=float, default=3e-5, help="learning rate")
-    parser.add_argument("--recipe", default="hybrid-delayed", help="FP8 recipe: a name or a YAML file")
+    parser.add_argument(
+        "--recipe", help="FP8 recipe: a name or a YAML file (default: a checkpoint's, backward-fp8)"
+    )
     parser.add_argument("--out", type=Path, default=Path("trainer-out"), help="the Trainer's output folder")
     parser.add_argument("--overwrite", action="store_true", help="write into --out even if it is not empty")
     parser.add_argument(
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--out {args.out} exists and is not an empty folder; choose another or pass --overwrite"
         )
     try:
-        recipe = hf_fp8.Fp8Recipe.load(args.recipe)
+        recipe = hf_fp8.Fp8Recipe.load(args.recipe) if args.recipe else None
         path, text = hf_fp8.assets.smollm2_path(), hf_fp8.assets.load_text()
     except ValueError as err:
         parser.error(str(err))
