@@ -9,8 +9,10 @@ and Shakespeare, tokenized with the demo's SmolLM2 tokenizer; about 1% of the fi
 run is a process of its own on the same batches in the same order, from the same initial weights:
 float32 master weights under BF16 autocast, fused AdamW with a linear warm-up and a cosine decay,
 gradients clipped at 1.0, the model compiled block by block with ``hf_fp8.compile`` (the BF16 run too:
-the same compile). ``bf16`` is the baseline; every other run names a recipe (``default``: the default
-one), patched with ``patch_model`` and guarded with ``Fp8NanGuard`` as a user's loop would be.
+the same compile). ``bf16`` is the baseline; every other run names a recipe (``default``: what
+``patch_model`` takes given none, ``hybrid-delayed`` from scratch and ``backward-fp8`` for ``--init
+smollm2``'s checkpoint), patched with ``patch_model`` and guarded with ``Fp8NanGuard`` as a user's loop
+would be.
 
 ``--init smollm2`` continues the demo's real model (SmolLM2-135M-Instruct) instead, and ``--lora`` trains
 LoRA adapters (rank 16 on every projection, as the demo) over its frozen weights, for example:
