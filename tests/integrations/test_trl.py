@@ -281,6 +281,48 @@ def test_dpo_under_backward_fp8_scores_as_the_unpatched_policy(tmp_path):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
 
 
+def test_dpo_from_a_checkpoint_takes_backward_fp8_without_being_told(tmp_path):
+    """DPO as users run it: the policy given as a checkpoint's path and a reference loaded from it, no recipe
+    named. Both take a checkpoint's default, ``backward-fp8``: the first step scores as the unpatched run,
+    and only backward GEMMs run in FP8 (one operand E5M2)."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = tmp_path / "checkpoint"
+    ts.tiny_llama().save_pretrained(checkpoint)
+
+    def reference(fp8: bool):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        if not fp8:
+            return model.requires_grad_(False)
+        report = hf_fp8.prepare_reference(model)
+        assert report.recipe == hf_fp8.RECIPES["backward-fp8"].replace(use_during_eval=True)
+        return model
+
+    runs = [
+        ts.run(
+            trl.DPOTrainer,
+            trl.DPOConfig,
+            tmp_path / str(fp8),
+            fp8,
+            model=str(checkpoint),
+            ref_model=reference(fp8),
+            train_dataset=ts.preference_rows(),
+            config={},
+        )
+        for fp8 in (True, False)
+    ]
+    (fp8_trainer, gemms), (plain_trainer, _) = runs
+    (callback,) = [
+        c for c in fp8_trainer.callback_handler.callbacks if isinstance(c, hf_fp8.Fp8TrainerCallback)
+    ]
+    assert callback.report.recipe == hf_fp8.RECIPES["backward-fp8"]
+    assert gemms and all(torch.float8_e5m2 in pair for pair in gemms), "backward GEMMs only, in FP8"
+    for key in ("logps/chosen", "logps/rejected", "loss"):
+        got, expected = ts.logged(fp8_trainer, key)[0], ts.logged(plain_trainer, key)[0]
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
+    assert ts.logged(fp8_trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-4)
+
+
 def test_prepare_reference_freezes_the_model_and_takes_the_policys_recipe():
     model = ts.tiny_llama()
     report = hf_fp8.prepare_reference(model)
