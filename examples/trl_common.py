@@ -21,7 +21,9 @@ def parser(doc: str, steps: int, batch_size: int, seq_len: int) -> argparse.Argu
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=batch_size, help="rows per step")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per row at most")
-    p.add_argument("--recipe", default="hybrid-delayed", help="FP8 recipe: a name or a YAML file")
+    p.add_argument(
+        "--recipe", help="FP8 recipe: a name or a YAML file (default: the one for a checkpoint, backward-fp8)"
+    )
     p.add_argument("--out", type=Path, default=Path("trl-out"), help="the trainer's output folder")
     return p
 
