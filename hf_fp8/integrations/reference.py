@@ -23,9 +23,9 @@ from torch import nn
 
 from hf_fp8.checks import check_model
 from hf_fp8.integrations.compiled import compile_model, compiles_by_default
-from hf_fp8.patching.default_recipe import default_recipe
+from hf_fp8.patching.default_recipe import resolve_recipe
 from hf_fp8.patching.patch import patch_model
-from hf_fp8.recipe import Fp8Recipe, as_recipe
+from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import PatchReport
 
 __all__ = ["prepare_reference"]
@@ -56,8 +56,7 @@ def prepare_reference(
             f"prepare_reference: compile must be True, False or None (compile on an FP8 GPU), got {compile!r}"
         )
     model.requires_grad_(False)
-    chosen = as_recipe(recipe) if recipe is not None else default_recipe(model, backend)
-    recipe = dataclasses.replace(chosen, use_during_eval=True)
+    recipe = dataclasses.replace(resolve_recipe(recipe, model, backend)[0], use_during_eval=True)
     report = patch_model(model, recipe, backend=backend)
     report.notes.append("a frozen reference model: its forwards run as the policy's, its weights never train")
     if compile or (compile is None and compiles_by_default(model, _fp8_device(model), sharded=False)):

@@ -46,7 +46,7 @@ from hf_fp8.integrations.training_arguments import (
     saved_checkpoint,
     should_compile,
 )
-from hf_fp8.patching.default_recipe import default_recipe
+from hf_fp8.patching.default_recipe import resolve_recipe
 from hf_fp8.patching.patch import is_patched, patch_model, patch_or_recheck
 from hf_fp8.patching.patch_state import get_state
 from hf_fp8.patching.step import end_pending_step, set_recipe
@@ -168,7 +168,7 @@ class Fp8TrainerCallback(TrainerCallback):
             # patched before the model took its final form (PEFT) or before DeepSpeed showed
             self.report = patch_or_recheck(model)
         else:
-            recipe = self.recipe or default_recipe(model, self.backend)
+            recipe = resolve_recipe(self.recipe, model, self.backend)[0]
             self.report = patch_model(model, self.recipe, backend=backend_for(self.backend, args, recipe))
             self.recipe = self.report.recipe
         if self._guard is not None:

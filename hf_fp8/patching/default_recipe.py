@@ -21,11 +21,15 @@ Any recipe given by name, object, file or ``hf-fp8 launch --recipe`` is used as 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from typing import Any
+
 from torch import nn
 
-from hf_fp8.recipe import RECIPES, Fp8Recipe
+from hf_fp8.recipe import RECIPES, Fp8Recipe, as_recipe
 
-__all__ = ["FINE_TUNE_RECIPE", "checkpoint_of", "default_recipe", "default_recipe_note"]
+__all__ = ["FINE_TUNE_RECIPE", "checkpoint_of", "resolve_recipe"]
 
 FINE_TUNE_RECIPE = "backward-fp8"
 
@@ -42,30 +46,24 @@ def checkpoint_of(model: nn.Module) -> str | None:
     return None
 
 
-def default_recipe(model: nn.Module, backend: str = "auto") -> Fp8Recipe:
-    """The recipe ``model`` is patched with when none is given (see the module docstring)."""
-    if Fp8Recipe.launched():
-        return Fp8Recipe.from_launcher()
-    if backend == "te" or checkpoint_of(model) is None:
-        return Fp8Recipe()
-    return RECIPES[FINE_TUNE_RECIPE]
-
-
-def default_recipe_note(model: nn.Module, backend: str = "auto") -> str | None:
-    """What the report says about the default :func:`default_recipe` chose for weights loaded from a
-    checkpoint (nothing for weights built from a config: the plain defaults)."""
-    if Fp8Recipe.launched():
-        return None
+def resolve_recipe(
+    recipe: Fp8Recipe | str | os.PathLike | Mapping[str, Any] | None, model: nn.Module, backend: str = "auto"
+) -> tuple[Fp8Recipe, str | None]:
+    """The recipe to patch ``model`` with: ``recipe`` as given (:func:`~hf_fp8.recipe.as_recipe`), else the
+    launcher's, else the default for where the weights come from (see the module docstring); and, when that
+    default depended on the weights being a checkpoint's, what the report says about it."""
+    if recipe is not None or Fp8Recipe.launched():
+        return as_recipe(recipe), None
     checkpoint = checkpoint_of(model)
     if checkpoint is None:
-        return None
+        return Fp8Recipe(), None
     if backend == "te":
-        return (
+        return Fp8Recipe(), (
             f"recipe: the defaults (FP8 forwards) for weights from {checkpoint!r}: Transformer Engine has "
             f"no {FINE_TUNE_RECIPE}; FP8 forwards cost SmolLM2's fine-tune +0.9% loss "
             "(docs/recipes.md#long-runs)"
         )
-    return (
+    return RECIPES[FINE_TUNE_RECIPE], (
         f"recipe: {FINE_TUNE_RECIPE} (forwards in high precision, backward GEMMs in FP8), the default for "
         f"weights loaded from a checkpoint ({checkpoint!r}): FP8 forwards cost SmolLM2's fine-tune +0.9% "
         "loss, this +0.06% (docs/recipes.md#long-runs); pass recipe='hybrid-delayed' for FP8 forwards"

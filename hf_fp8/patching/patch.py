@@ -37,12 +37,12 @@ from hf_fp8.checks import check_amax_group, check_model
 from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
-from hf_fp8.patching.default_recipe import default_recipe, default_recipe_note
+from hf_fp8.patching.default_recipe import resolve_recipe
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
 from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
 from hf_fp8.patching.tensor_parallel import check_layouts, install_layouts, tensor_parallel_layouts
 from hf_fp8.patching.zero import gather_blocks_whole, zero_refusal, zero_stage
-from hf_fp8.recipe import Fp8Recipe, as_recipe
+from hf_fp8.recipe import Fp8Recipe
 from hf_fp8.report import CONVERTED, KEPT, SKIPPED, ModuleRecord, PatchReport
 
 __all__ = ["is_patched", "move_patch", "patch_model", "patch_or_recheck", "plan_patch", "unpatch_model"]
@@ -95,7 +95,7 @@ def patch_model(
     check_amax_group(amax_group)
     _check_filter(module_filter_fn, "patch_model")
     asked = recipe
-    recipe = as_recipe(recipe) if recipe is not None else default_recipe(model, backend)
+    recipe, chose = resolve_recipe(recipe, model, backend)
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
@@ -130,7 +130,7 @@ def patch_model(
         )
     if unmatched:
         report.notes.append(unmatched)
-    if asked is None and (chose := default_recipe_note(model, backend)) is not None:
+    if chose is not None:
         report.notes.append(chose)
     if module_filter_fn is not None and fuse and chosen.fuses_blocks:
         report.notes.append("no block fused: a module_filter_fn decides layer by layer")
@@ -182,7 +182,7 @@ def plan_patch(
     model (which may live on the meta device, as ``hf-fp8 inspect`` builds it)."""
     check_model(model, "plan_patch")
     _check_filter(module_filter_fn, "plan_patch")
-    backend = NativeBackend(as_recipe(recipe) if recipe is not None else default_recipe(model, "native"))
+    backend = NativeBackend(resolve_recipe(recipe, model, "native")[0])
     return _walk(model, backend, convert=False, module_filter_fn=module_filter_fn)[0]
 
 

@@ -6,31 +6,22 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny_models as tm
 import torch
 from conftest import ScaledMmCalls
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_fp8
 from hf_fp8.backends.registry import fp8_layers
-from hf_fp8.patching.default_recipe import checkpoint_of, default_recipe, default_recipe_note
+from hf_fp8.patching.default_recipe import checkpoint_of, resolve_recipe
 from hf_fp8.recipe import LAUNCHER_ENV, RECIPES, Fp8Recipe
-
-CONFIG = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(CONFIG).save_pretrained(folder)
+    tm.build("llama").save_pretrained(folder)
     return str(folder)
 
 
@@ -40,8 +31,7 @@ def no_launcher_recipe(monkeypatch):
 
 
 def batch() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, CONFIG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids}
+    return tm.batch_for("llama", 32, seed=1)
 
 
 def test_a_checkpoint_trains_with_forwards_in_high_precision_and_fp8_backward_gemms(checkpoint):
@@ -68,10 +58,10 @@ def test_a_checkpoint_trains_with_forwards_in_high_precision_and_fp8_backward_ge
 
 
 def test_a_model_built_from_a_config_keeps_the_defaults_with_fp8_forwards():
-    model = LlamaForCausalLM(CONFIG).train()
+    model = tm.build("llama")
     report = hf_fp8.patch_model(model)
     assert report.recipe == Fp8Recipe() and checkpoint_of(model) is None
-    assert default_recipe_note(model) is None
+    assert resolve_recipe(None, model) == (Fp8Recipe(), None)
     with ScaledMmCalls() as gemms:
         model(**batch())
     assert len(gemms.calls) == 14 and set(gemms.calls) == {(torch.float8_e4m3fn, torch.float8_e4m3fn)}
@@ -87,8 +77,8 @@ def test_a_recipe_given_and_the_launchers_come_first(checkpoint, monkeypatch):
 
 def test_transformer_engine_named_keeps_its_defaults_and_says_what_they_cost(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert default_recipe(model, "te") == Fp8Recipe()
-    assert "Transformer Engine has no backward-fp8" in default_recipe_note(model, "te")
+    recipe, note = resolve_recipe(None, model, "te")
+    assert recipe == Fp8Recipe() and "Transformer Engine has no backward-fp8" in note
 
 
 def test_a_peft_model_of_a_checkpoint_and_its_reference_take_the_same_default(checkpoint):
