@@ -196,6 +196,31 @@ def frozen_reference(fp8: bool, recipe: str | None = None):
     return reference
 
 
+def dpo_with_and_without_fp8(tmp_path, reference, config: dict | None = None, **kwargs) -> list[tuple]:
+    """:func:`ts.run` of DPO in FP8 with ``reference(True)`` as its reference, then unpatched with
+    ``reference(False)``, on the same pairs."""
+    return [
+        ts.run(
+            trl.DPOTrainer,
+            trl.DPOConfig,
+            tmp_path / str(fp8),
+            fp8,
+            ref_model=reference(fp8),
+            train_dataset=ts.preference_rows(),
+            config=dict(config or {}),
+            **kwargs,
+        )
+        for fp8 in (True, False)
+    ]
+
+
+def assert_first_step_scores_as_unpatched(fp8_trainer, plain_trainer) -> None:
+    """DPO's log-probs and loss at the first step are the unpatched run's, to float rounding."""
+    for key in ("logps/chosen", "logps/rejected", "loss"):
+        got, expected = ts.logged(fp8_trainer, key)[0], ts.logged(plain_trainer, key)[0]
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
+
+
 DPO_CASES = {
     "reference-bf16": dict(reference=lambda: frozen_reference(False)),
     "reference-prepared": dict(reference=lambda: frozen_reference(True)),
@@ -207,20 +232,9 @@ DPO_CASES = {
 @pytest.mark.parametrize("case", DPO_CASES)
 def test_dpo_trains_in_fp8(case, tmp_path):
     spec = DPO_CASES[case]
-    runs = []
-    for fp8 in (True, False):
-        reference = spec["reference"]() if fp8 else frozen_reference(False)
-        runs.append(
-            ts.run(
-                trl.DPOTrainer,
-                trl.DPOConfig,
-                tmp_path / str(fp8),
-                fp8,
-                ref_model=reference,
-                train_dataset=ts.preference_rows(),
-                config=dict(spec.get("config", {})),
-            )
-        )
+    runs = dpo_with_and_without_fp8(
+        tmp_path, lambda fp8: spec["reference"]() if fp8 else frozen_reference(False), spec.get("config")
+    )
     assert_trains_as_unpatched(*runs)
     for key in ("logps/chosen", "logps/rejected"):
         got, expected = ts.logged(runs[0][0], key), ts.logged(runs[1][0], key)
@@ -262,23 +276,11 @@ def test_dpo_with_an_fp8_reference_starts_at_ln_2(tmp_path):
 def test_dpo_under_backward_fp8_scores_as_the_unpatched_policy(tmp_path):
     """``backward-fp8``: forwards in high precision, so DPO's log-probs (and its loss) at the first step
     are the unpatched run's to float rounding; the backward's GEMMs still run in FP8."""
-    runs = [
-        ts.run(
-            trl.DPOTrainer,
-            trl.DPOConfig,
-            tmp_path / str(fp8),
-            fp8,
-            recipe="backward-fp8" if fp8 else None,
-            ref_model=frozen_reference(fp8, "backward-fp8" if fp8 else None),
-            train_dataset=ts.preference_rows(),
-            config={},
-        )
-        for fp8 in (True, False)
-    ]
+    runs = dpo_with_and_without_fp8(
+        tmp_path, lambda fp8: frozen_reference(fp8, "backward-fp8" if fp8 else None), recipe="backward-fp8"
+    )
     assert_trains_as_unpatched(*runs)
-    for key in ("logps/chosen", "logps/rejected", "loss"):
-        got, expected = ts.logged(runs[0][0], key)[0], ts.logged(runs[1][0], key)[0]
-        assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
+    assert_first_step_scores_as_unpatched(runs[0][0], runs[1][0])
 
 
 def test_dpo_from_a_checkpoint_takes_backward_fp8_without_being_told(tmp_path):
@@ -298,28 +300,15 @@ def test_dpo_from_a_checkpoint_takes_backward_fp8_without_being_told(tmp_path):
         assert report.recipe == hf_fp8.RECIPES["backward-fp8"].replace(use_during_eval=True)
         return model
 
-    runs = [
-        ts.run(
-            trl.DPOTrainer,
-            trl.DPOConfig,
-            tmp_path / str(fp8),
-            fp8,
-            model=str(checkpoint),
-            ref_model=reference(fp8),
-            train_dataset=ts.preference_rows(),
-            config={},
-        )
-        for fp8 in (True, False)
-    ]
+    runs = dpo_with_and_without_fp8(tmp_path, reference, model=str(checkpoint))
     (fp8_trainer, gemms), (plain_trainer, _) = runs
     (callback,) = [
         c for c in fp8_trainer.callback_handler.callbacks if isinstance(c, hf_fp8.Fp8TrainerCallback)
     ]
     assert callback.report.recipe == hf_fp8.RECIPES["backward-fp8"]
     assert gemms and all(torch.float8_e5m2 in pair for pair in gemms), "backward GEMMs only, in FP8"
-    for key in ("logps/chosen", "logps/rejected", "loss"):
-        got, expected = ts.logged(fp8_trainer, key)[0], ts.logged(plain_trainer, key)[0]
-        assert got == pytest.approx(expected, rel=1e-5, abs=1e-5), key
+    assert_trains_as_unpatched(*runs)  # gradients reach the weights: grad norms beside the unpatched run's
+    assert_first_step_scores_as_unpatched(fp8_trainer, plain_trainer)
     assert ts.logged(fp8_trainer, "loss")[0] == pytest.approx(math.log(2), abs=1e-4)
 
 
