@@ -9,6 +9,11 @@ model, in a thread each: the backend then learns of each replica (or refuses to 
 reason). After the forward, always: leave that context (so the backward runs outside it), and start
 the FP8 step (see :mod:`hf_fp8.patching.step`).
 
+FP8 layers compute in FP8 in training mode; eval mode is for evaluation, in high precision. A forward
+that builds a graph in eval mode is usually training on a model ``from_pretrained`` left in eval mode,
+or an evaluation outside ``torch.no_grad()``: it runs without FP8 and would say nothing, so it warns,
+once a model, with both fixes.
+
 The model's inputs and outputs are never changed. FP8 GEMMs need the dimension they contract over to
 be a multiple of 16; for the weight gradient that is the number of tokens, and each FP8 layer pads the
 rows of its own GEMM operands with zeros. So a packed row, a padding-free batch or a 2-D output of
@@ -17,6 +22,7 @@ per-token values (TRL's fused LM head) reaches the caller exactly as the unpatch
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -50,6 +56,8 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     replica = getattr(model, "_is_replica", False)  # nn.DataParallel's copy of the model for one GPU
     if replica and call.fp8 and (problem := state.backend.replica_problem()) is not None:
         raise RuntimeError(data_parallel_refusal(state.backend.name, problem))
+    if not call.fp8 and torch.is_grad_enabled() and fp8_active(True, recipe.use_during_eval):
+        _warn_of_gradients_in_eval_mode(model, state)
     state.push_call(model, call)
     context = state.backend.forward_context(model, call.fp8, state.amax_group or default_amax_group())
     context.__enter__()
@@ -64,6 +72,20 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         end_step(state)
     if replica and model.training and torch.is_grad_enabled():
         state.backend.track_replica(model)
+
+
+def _warn_of_gradients_in_eval_mode(model: nn.Module, state: PatchState) -> None:
+    """Once a model: this forward builds a graph in eval mode, where its FP8 layers compute in high
+    precision (not from compiled code, where a warning breaks the graph)."""
+    if state.warned_eval_with_gradients or torch.compiler.is_compiling():
+        return
+    state.warned_eval_with_gradients = True
+    warnings.warn(
+        f"hf_fp8: {type(model).__name__} ran a forward with gradients in eval mode, so its FP8 layers "
+        "computed in high precision (eval mode is for evaluation). Training? Call model.train() first "
+        "(from_pretrained returns the model in eval mode). Evaluating? Wrap it in torch.no_grad().",
+        stacklevel=4,
+    )
 
 
 def given_kv_cache(kwargs: dict[str, Any]) -> bool:

@@ -46,6 +46,8 @@ class PatchState:
     step_pending: bool = False
     # That forward's outputs needed no gradient: the next training forward ends the step.
     end_at_next_forward: bool = False
+    # A forward with gradients in eval mode (FP8 off there) was warned of (once a model).
+    warned_eval_with_gradients: bool = False
     # The forwards in flight, a stack per model object: nn.DataParallel runs its replicas' forwards (and
     # so this model's hooks) at once, in a thread each, and each replica is an object of its own.
     calls: dict[int, list[ForwardCall]] = field(default_factory=dict)

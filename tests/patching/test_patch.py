@@ -107,6 +107,33 @@ def test_use_during_eval_runs_fp8_in_eval():
     assert len(mm.calls) == 14
 
 
+def test_a_forward_with_gradients_in_eval_mode_warns_once_that_fp8_is_off():
+    """from_pretrained returns a model in eval mode: trained so, its FP8 layers compute in high precision.
+    That warns (once), naming both fixes; evaluations under no_grad, training mode and a region forced
+    out of FP8 do not."""
+    model = tm.build("llama")
+    patch_model(model)
+    batch = tm.batch_for("llama", 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch).loss.backward()  # training mode
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+        with hf_fp8.fp8_autocast(enabled=False):
+            model(**batch).loss.backward()
+    with ScaledMmCalls() as mm, pytest.warns(UserWarning, match=r"in eval mode.*model\.train\(\).*no_grad"):
+        model(**batch).loss.backward()
+    assert mm.calls == [], "no FP8 GEMM ran"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch).loss.backward()  # said once
+    model.train()
+    with ScaledMmCalls() as mm:
+        model(**batch).loss.backward()
+    assert len(mm.calls) == 14 * 3
+
+
 def test_scales_advance_once_per_training_step():
     model = tm.build("llama")
     patch_model(model)
