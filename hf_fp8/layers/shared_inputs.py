@@ -111,10 +111,12 @@ def _newest(module: Fp8Module) -> torch.Tensor:
 
 def _sibling_candidates(named_layers: list[tuple[str, torch.nn.Module]]) -> list[list[Fp8Module]]:
     """Sets of two or more delayed-scaling FP8 linear layers under one parent, of one input width and on
-    one device, whose forward casts its input."""
+    one device. Their forwards cast the input for the forward GEMM, or with the forward in high precision
+    (``backward-fp8``) for the weight gradient's; a layer that casts nothing (a frozen weight under a
+    high-precision forward) records no input amax and joins no group."""
     by_parent: dict[tuple, list[Fp8Module]] = {}
     for name, layer in named_layers:
-        if isinstance(layer, Fp8Module) and layer.forward_in_fp8 and layer.recipe.scaling == "delayed":
+        if isinstance(layer, Fp8Module) and layer.recipe.scaling == "delayed":
             parent = name.removesuffix(".base_layer").rpartition(".")[0]
             width = layer.in_features if isinstance(layer, torch.nn.Linear) else layer.nx
             by_parent.setdefault((parent, width, layer.amax_history.device), []).append(layer)

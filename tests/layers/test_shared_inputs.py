@@ -17,6 +17,7 @@ import hf_fp8
 from hf_fp8 import Fp8Module, Fp8Recipe
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 def sources(model: nn.Module) -> dict[str, str | None]:
@@ -75,9 +76,10 @@ def test_cross_attention_shares_only_what_reads_one_input():
     }
 
 
-def test_shared_scales_train_bit_for_bit_as_own_scales():
+@pytest.mark.parametrize("recipe", ["head-backward", "backward-fp8"])
+def test_shared_scales_train_bit_for_bit_as_own_scales(recipe):
     model = tm.build("llama")
-    hf_fp8.patch_model(model, "head-backward")
+    hf_fp8.patch_model(model, recipe)
     own = copy.deepcopy(model)
     assert train(model, "llama", steps=4) == train(own, "llama", steps=4, own_scales=True)
     for name, module in model.named_modules():
@@ -155,23 +157,26 @@ def test_lora_wrapped_siblings_share_their_base_layers_scale():
     assert {n.split(".")[-2] for n in shared} == {"k_proj", "v_proj", "up_proj"}
 
 
-def fp8_casts_per_forward_graph(model: nn.Module, steps: int) -> list[int]:
-    """The casts to FP8 in each compiled forward graph, in the order the graphs were compiled."""
+def fp8_casts_per_forward_graph(model: nn.Module, steps: int, backward: list[int] | None = None) -> list[int]:
+    """The casts to FP8 in each compiled forward graph, in the order the graphs were compiled (and those
+    of each backward graph appended to ``backward``, when given)."""
     counts: list[int] = []
 
-    def count(graph: torch.fx.GraphModule, inputs):
-        casts = [
-            node
-            for node in graph.graph.nodes
-            if node.target in (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
-            and getattr(node.meta.get("val"), "dtype", None) in FP8_DTYPES
-        ]
-        counts.append(len(casts))
-        return make_boxed_func(graph.forward)
+    def counter(into: list[int]):
+        def count(graph: torch.fx.GraphModule, inputs):
+            casts = [
+                node
+                for node in graph.graph.nodes
+                if node.target in CASTS and getattr(node.meta.get("val"), "dtype", None) in FP8_DTYPES
+            ]
+            into.append(len(casts))
+            return make_boxed_func(graph.forward)
+
+        return count
 
     backend = aot_autograd(
-        fw_compiler=count,
-        bw_compiler=lambda graph, inputs: make_boxed_func(graph.forward),
+        fw_compiler=counter(counts),
+        bw_compiler=counter(backward if backward is not None else []),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )
@@ -189,3 +194,30 @@ def test_a_compiled_block_casts_each_shared_input_once():
     model = tm.build("llama")
     hf_fp8.patch_model(model)
     assert fp8_casts_per_forward_graph(model, steps=3) == [7 + 4, 0, 7 + 4]
+
+
+def test_with_forwards_in_high_precision_a_compiled_block_casts_each_input_once_for_the_weight_gradients():
+    """``backward-fp8`` casts each layer's input for its weight gradient (the partitioner may move the
+    cast into the backward), each weight and each gradient: 4 + 7 + 7 casts a block, in the first step's
+    graph and in the steady state's, where q/k/v's and gate/up's inputs cast with one scale (20 casts
+    before they did). A frozen weight's layer (LoRA) casts no input and joins no group."""
+    model = tm.build("llama")
+    hf_fp8.patch_model(model, "backward-fp8")
+    backward: list[int] = []
+    forward = fp8_casts_per_forward_graph(model, steps=3, backward=backward)
+    # compiled in this order: forwards of the first step's block, the head's, the steady block's;
+    # backwards of the head's (no FP8), the first step's block, the steady block's
+    assert len(forward) == len(backward) == 3 and forward[1] == backward[0] == 0
+    assert [forward[0] + backward[1], forward[2] + backward[2]] == [4 + 7 + 7, 4 + 7 + 7]
+    frozen = tm.build("llama")
+    hf_fp8.patch_model(frozen, "backward-fp8")
+    for name, parameter in frozen.named_parameters():
+        parameter.requires_grad_("layers" not in name)
+    train(frozen, "llama", steps=2)
+    assert not any(sources(frozen).values())
+    frozen = tm.build("llama")
+    hf_fp8.patch_model(frozen, "backward-fp8")
+    for name, parameter in frozen.named_parameters():
+        parameter.requires_grad_("layers" not in name)
+    train(frozen, "llama", steps=2)
+    assert not any(sources(frozen).values())
