@@ -92,6 +92,9 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         self.shared_inputs = SharedInputCasts(named)
+        head = _output_head(model)
+        if isinstance(head, Fp8Module):
+            head.output_head = True
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
         experts = [m for m in self.layers if isinstance(m, Fp8Experts)]
@@ -369,3 +372,9 @@ def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ignored + [n for n in fp8_buffers if n not in ignored]
     )
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (HF's ``get_output_embeddings``), if it has one."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None

@@ -53,6 +53,8 @@ class Fp8Module(Fp8Scaled):
     FORWARD_ROLES = 2
     # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)
     forward_in_fp8: bool = True
+    # The model's output head, whose output gradient is the logits' (see GemmConfig.output_head)
+    output_head: bool = False
     # A layer that reads the same input and whose input scale this one casts with (see share_input_scale)
     input_scale_source: Fp8Module | None = None
 
@@ -192,7 +194,9 @@ class Fp8Module(Fp8Scaled):
             weight_fp8 = weight_fp8.t() if weight_fp8 is not None else None
         weight_scale = self.weight._scale if stored or gathered else None
         device_type = x.device.type
-        config = self.gemm_config(x)._replace(forward_in_fp8=self.forward_in_fp8)
+        config = self.gemm_config(x)._replace(
+            forward_in_fp8=self.forward_in_fp8, output_head=self.output_head
+        )
         # Only training forwards that build a graph are steps: a no_grad reference forward leaves the
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()

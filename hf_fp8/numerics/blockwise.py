@@ -271,7 +271,7 @@ class _BlockFp8Linear(torch.autograd.Function):
             if bias is not None:
                 out = out + bias.to(config.out_dtype)
             ctx.save_for_backward(x, w_fp8, w_scales)
-        else:  # the output head's logits in high precision, as F.linear's; its backward GEMMs in FP8
+        else:  # as F.linear (the output head's logits; any layer under forward_in_fp8: false)
             dtype = config.out_dtype
             out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
             x_amax = _amax(x)

@@ -45,7 +45,9 @@ class GemmConfig(NamedTuple):
     history); otherwise the tensor is scaled by its own amax (current scaling, and delayed scaling
     before the role's first amax). ``forward_in_fp8`` ``False`` runs the forward GEMM in high
     precision and only the two backward GEMMs in FP8 (the output head under ``convert_lm_head:
-    backward``: exact logits, FP8 speed for two thirds of its FLOPs)."""
+    backward``: exact logits, FP8 speed for two thirds of its FLOPs; every layer under
+    ``backward-fp8``). ``output_head``: the layer's output gradient is the logits', made row by row by
+    the loss's backward (see transposed_fp8)."""
 
     forward_format: Fp8Format
     backward_format: Fp8Format
@@ -53,6 +55,7 @@ class GemmConfig(NamedTuple):
     margin: int
     out_dtype: torch.dtype
     forward_in_fp8: bool = True
+    output_head: bool = False
 
 
 def fp8_linear(
@@ -190,9 +193,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
         backward_record: BackwardRecord = ctx.backward_record
         fmt = config.backward_format
         dy = grad_output.reshape(-1, grad_output.shape[-1])
-        # An output head's dy (its forward in high precision) is the logits' gradient, made row by row
-        # by the loss's backward: its amax is taken by rows too, in that kernel (see choose_scale).
-        head = not config.forward_in_fp8
         dy_scale, dy_fp8 = quantize(
             dy,
             GRAD_OUTPUT,
@@ -226,7 +226,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # An output head's dy is transposed by a copy of its own (see transposed_fp8), every other
             # layer's in the kernel that cast it.
             dy_rows = pad_rows(dy_fp8)
-            dy_t = transposed_fp8(dy_rows) if head else dy_rows.t().contiguous()
+            dy_t = transposed_fp8(dy_rows) if config.output_head else dy_rows.t().contiguous()
             grad_w = fp8_mm(dy_t, x_t.t(), dy_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)

@@ -128,7 +128,7 @@ def test_an_amax_taken_by_rows_is_the_whole_tensors_nan_included():
         assert torch.equal(got, expected) or (got.isnan() and expected.isnan())
 
 
-def backward_calls(recipe: str | None) -> list[tuple[object, tuple]]:
+def backward_calls(recipe: str | Fp8Recipe | None) -> list[tuple[object, tuple]]:
     """The ops (and their arguments) of every compiled backward of two training steps of a tiny Llama
     patched with ``recipe`` (``None``: the default) and compiled by ``hf_fp8.compile``."""
     graphs: list[torch.fx.GraphModule] = []
@@ -142,18 +142,30 @@ def backward_calls(recipe: str | None) -> list[tuple[object, tuple]]:
     return [(n.target, n.args) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
 
 
-def test_the_heads_backward_takes_the_gradients_amax_by_rows_and_transposes_it_by_a_copy():
-    """Under ``head-backward`` the head's backward is in the loss's graph: there the logits' gradient
-    gets an amax by rows and the tiled transpose; under the default recipe (head in BF16) no graph has
-    either."""
-    calls = backward_calls("head-backward")
-    copies = [op for op, _ in calls if op is torch.ops.hf_fp8.transposed_fp8.default]
+def transposed_copies(calls: list[tuple[object, tuple]]) -> int:
+    return sum(op is torch.ops.hf_fp8.transposed_fp8.default for op, _ in calls)
+
+
+HEAD_BACKWARD_ONLY_FP8 = Fp8Recipe(forward_in_fp8=False, convert_lm_head="backward")
+
+
+@pytest.mark.parametrize("recipe", ["head-backward", HEAD_BACKWARD_ONLY_FP8])
+def test_the_heads_backward_takes_the_gradients_amax_by_rows_and_transposes_it_by_a_copy(recipe):
+    """With the head's backward in FP8 it is in the loss's graph: there the logits' gradient gets an amax
+    by rows and the tiled transpose, the head's alone (a block's layers under ``forward_in_fp8: false``
+    transpose their gradient in the kernel that casts it)."""
+    calls = backward_calls(recipe)
     amax_dims = [
         tuple(args[1]) if len(args) > 1 else () for op, args in calls if op is torch.ops.aten.amax.default
     ]
     by_rows = sum(dims in ((1,), (-1,)) for dims in amax_dims)
-    assert len(copies) == 2 and by_rows >= 2, "one each in the first step's graph and in the later one"
-    assert not any(op is torch.ops.hf_fp8.transposed_fp8.default for op, _ in backward_calls(None))
+    assert transposed_copies(calls) == 2, "one each in the first step's graph and in the later one"
+    assert by_rows >= 2
+
+
+@pytest.mark.parametrize("recipe", [None, "backward-fp8"])
+def test_with_the_head_in_high_precision_no_gradient_is_transposed_by_a_copy(recipe):
+    assert transposed_copies(backward_calls(recipe)) == 0
 
 
 @pytest.mark.gpu
