@@ -19,6 +19,8 @@ Modes:
                              step replays CUDA graphs; its peak memory is the memory reserved (the
                              graphs' pool is not counted as allocated while they replay)
   hf-fp8-current             the same with current scaling
+  hf-fp8-backward            ``backward-fp8`` (a checkpoint's default): forwards in BF16, dgrad and wgrad in
+                             FP8
   hf-fp8-rowwise, hf-fp8-rowwise-gw-hp   the row-wise recipes, compiled
   hf-fp8-block, hf-fp8-block-lmhead, hf-fp8-block-head-backward   block scaling (DeepSeek-V3's
                              1x128 / 128x128), compiled, on cuBLAS's block-scaled kernels; with the
@@ -51,6 +53,7 @@ MODES = (
     "hf-fp8-head-backward",
     "hf-fp8-graphs",
     "hf-fp8-current",
+    "hf-fp8-backward",
     "hf-fp8-rowwise",
     "hf-fp8-rowwise-gw-hp",
     "hf-fp8-block",
@@ -74,6 +77,7 @@ _HF_FP8_RECIPES = {
     "hf-fp8-head-backward": hf_fp8.Fp8Recipe(convert_lm_head="backward"),
     "hf-fp8-graphs": hf_fp8.Fp8Recipe(convert_lm_head="backward"),
     "hf-fp8-current": hf_fp8.Fp8Recipe(scaling="current"),
+    "hf-fp8-backward": hf_fp8.Fp8Recipe.named("backward-fp8"),
     "hf-fp8-rowwise": hf_fp8.Fp8Recipe.named("rowwise"),
     "hf-fp8-rowwise-gw-hp": hf_fp8.Fp8Recipe.named("rowwise-gw-hp"),
     "hf-fp8-block": hf_fp8.Fp8Recipe.named("block"),
