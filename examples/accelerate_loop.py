@@ -7,7 +7,9 @@ Fine-tunes SmolLM2-135M on Shakespeare. ``hf_fp8.prepare_fp8`` patches the model
 ``accelerator.prepare`` (so DDP wraps the FP8 model and one amax all-reduce a step keeps the ranks'
 scales equal; on an FP8 GPU it also compiles the model block by block), and ``hf_fp8.Fp8NanGuard``
 keeps a non-finite step from the weights without waiting for the GPU (the fused AdamW skips it).
-The recipe is the launcher's when ``hf-fp8 launch --recipe`` gave one, else ``--recipe``.
+The recipe is the launcher's when ``hf-fp8 launch --recipe`` gave one, else ``--recipe``: by default
+``backward-fp8``, what ``patch_model`` gives a checkpoint's weights (forwards in high precision, the
+backward's GEMMs in FP8: FP8 forwards cost a fine-tune of this model about 1% of its loss).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate")
     parser.add_argument(
         "--recipe",
-        default="hybrid-delayed",
+        default="backward-fp8",
         help="FP8 recipe (name or YAML) when not started by hf-fp8 launch",
     )
     args = parser.parse_args(argv)
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     guard = hf_fp8.Fp8NanGuard(model, optimizer=optimizer)  # fused: a bad step is skipped on the GPU
     if accelerator.is_main_process:
         source = "from hf-fp8 launch" if launched else "from --recipe"
-        print(f"recipe {source}: {recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}")
+        forwards = "FP8" if recipe.forward_in_fp8 else "high precision"
+        scaling = f"{recipe.format}, {recipe.scaling} scaling, margin {recipe.margin}"
+        print(f"recipe {source}: {scaling}, forwards in {forwards}")
         print(report)
 
     model.train()

@@ -152,9 +152,10 @@ def test_compare_precision_finds_fp8_error_is_the_rounding_of_its_operands(runs)
 @needs_demo_data
 def test_accelerate_loop_uses_the_launchers_recipe_when_given(runs):
     own = runs.output("accelerate")
-    assert "recipe from --recipe: hybrid, delayed scaling, margin 0" in own and "done: 2 steps" in own
+    assert "recipe from --recipe: hybrid, delayed scaling, margin 0, forwards in high precision" in own
+    assert "done: 2 steps" in own
     launched = runs.output("accelerate launched")
-    assert "recipe from hf-fp8 launch: hybrid, delayed scaling, margin 1" in launched
+    assert "recipe from hf-fp8 launch: hybrid, delayed scaling, margin 1, forwards in FP8" in launched
 
 
 @needs_demo_data
