@@ -84,7 +84,7 @@ def _warn_of_gradients_in_eval_mode(model: nn.Module, state: PatchState) -> None
         f"hf_fp8: {type(model).__name__} ran a forward with gradients in eval mode, so its FP8 layers "
         "computed in high precision (eval mode is for evaluation). Training? Call model.train() first "
         "(from_pretrained returns the model in eval mode). Evaluating? Wrap it in torch.no_grad().",
-        stacklevel=4,
+        stacklevel=6,  # the caller's model(...), past this function, the hook and Module's calls
     )
 
 
