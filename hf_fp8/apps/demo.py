@@ -248,11 +248,13 @@ def _evaluate(
     training = model.training
     model.eval()
     losses = []
-    for ids in batches:
-        ids = ids.to(device)
-        with _autocast(device, dtype):
-            losses.append(model(input_ids=ids, labels=ids).loss.item())
-    model.train(training)
+    try:
+        for ids in batches:
+            ids = ids.to(device)
+            with _autocast(device, dtype):
+                losses.append(model(input_ids=ids, labels=ids).loss.item())
+    finally:
+        model.train(training)
     return sum(losses) / len(losses)
 
 

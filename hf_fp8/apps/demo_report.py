@@ -154,8 +154,8 @@ def write_report(arms, args: argparse.Namespace, patch_report, path: Path, held_
         lines.insert(
             4,
             "At this size (135M parameters, a few hundred tokens a step) a GPU step is bound by kernel "
-            f"launches, and the casts around each FP8 GEMM make FP8 no faster than {name}; the speed-up "
-            "shows on larger models and batches (see `benchmarks/`).\n",
+            f"launches, and the casts around each FP8 GEMM cost about what FP8 saves against {name}; the "
+            "speed-up shows on larger models and batches (see `benchmarks/`).\n",
         )
     path.write_text("\n".join(lines))
     return path

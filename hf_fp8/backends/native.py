@@ -34,6 +34,7 @@ from hf_fp8.layers.fp8_scaled import (
 from hf_fp8.layers.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
 from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
+from hf_fp8.layers.selection import output_head
 from hf_fp8.layers.shared_inputs import SharedInputCasts
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
@@ -92,8 +93,8 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         self.shared_inputs = SharedInputCasts(named)
-        head = _output_head(model)
-        if isinstance(head, Fp8Module):
+        head = output_head(model)
+        if isinstance(head, Fp8Module) and not head.forward_in_fp8:  # convert_lm_head: backward
             head.output_head = True
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
@@ -133,7 +134,7 @@ class NativeBackend(Fp8Backend):
             if high_forward:
                 report.notes.append(
                     f"fp8_weights: {len(high_forward)} weight(s) whose forward runs in high precision "
-                    "(convert_lm_head: backward) keep their dtype"
+                    "(convert_lm_head: backward, forward_in_fp8: false) keep their dtype"
                 )
         return []
 
@@ -372,9 +373,3 @@ def _keep_fp8_state_out_of_ddp_broadcast(model: nn.Module) -> None:
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ignored + [n for n in fp8_buffers if n not in ignored]
     )
-
-
-def _output_head(model: nn.Module) -> nn.Module | None:
-    """The model's output head (HF's ``get_output_embeddings``), if it has one."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    return get_head() if callable(get_head) else None

@@ -53,7 +53,7 @@ class Fp8Module(Fp8Scaled):
     FORWARD_ROLES = 2
     # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)
     forward_in_fp8: bool = True
-    # The model's output head, whose output gradient is the logits' (see GemmConfig.output_head)
+    # The output head with its forward in high precision (see GemmConfig.output_head)
     output_head: bool = False
     # A layer that reads the same input and whose input scale this one casts with (see share_input_scale)
     input_scale_source: Fp8Module | None = None
@@ -268,7 +268,8 @@ class Fp8Linear(Fp8Module, nn.Linear):
     ) -> Fp8Linear:
         """An ``Fp8Linear`` that shares ``linear``'s parameters (same objects, so optimizers and tied
         weights stay valid); ``forward_in_fp8=False`` keeps its forward GEMM in high precision and
-        runs only the backward's two in FP8 (for the output head: exact logits)."""
+        runs only the backward's two in FP8 (the output head's exact logits; every layer under
+        ``backward-fp8``)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
         new._adopt(linear, recipe, forward_in_fp8)

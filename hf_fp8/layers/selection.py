@@ -41,6 +41,7 @@ __all__ = [
     "linear_shape",
     "matches",
     "module_record",
+    "output_head",
     "record",
 ]
 
@@ -88,7 +89,7 @@ class ModelContext:
         )
         top_k = getattr(config, "num_experts_per_tok", None)
         read = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-        return cls(tied, _call_or_none(model, "get_output_embeddings"), num_experts, top_k, read)
+        return cls(tied, output_head(model), num_experts, top_k, read)
 
 
 def module_record(
@@ -275,6 +276,12 @@ def _is_router(name: str, out_features: int, context: ModelContext) -> bool:
 def _is_adapter(name: str) -> bool:
     # PEFT keeps adapters in ModuleDicts named lora_A, lora_B, ... inside each tuner layer.
     return any(part in _ADAPTER_NAMES for part in name.split("."))
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (HF's ``get_output_embeddings``); ``None`` for a model without one, or
+    whose method says it has none by raising."""
+    return _call_or_none(model, "get_output_embeddings")
 
 
 def _call_or_none(model: nn.Module, method: str) -> Any:

@@ -113,7 +113,8 @@ def _sibling_candidates(named_layers: list[tuple[str, torch.nn.Module]]) -> list
     """Sets of two or more delayed-scaling FP8 linear layers under one parent, of one input width and on
     one device. Their forwards cast the input for the forward GEMM, or with the forward in high precision
     (``backward-fp8``) for the weight gradient's; a layer that casts nothing (a frozen weight under a
-    high-precision forward) records no input amax and joins no group."""
+    high-precision forward) records no input amax and joins no group: a set none of whose layers cast in
+    the step that forms the groups is given up (waiting would read amaxes back every step)."""
     by_parent: dict[tuple, list[Fp8Module]] = {}
     for name, layer in named_layers:
         if isinstance(layer, Fp8Module) and layer.recipe.scaling == "delayed":

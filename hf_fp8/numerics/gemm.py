@@ -46,8 +46,9 @@ class GemmConfig(NamedTuple):
     before the role's first amax). ``forward_in_fp8`` ``False`` runs the forward GEMM in high
     precision and only the two backward GEMMs in FP8 (the output head under ``convert_lm_head:
     backward``: exact logits, FP8 speed for two thirds of its FLOPs; every layer under
-    ``backward-fp8``). ``output_head``: the layer's output gradient is the logits', made row by row by
-    the loss's backward (see transposed_fp8)."""
+    ``backward-fp8``). ``output_head``: the layer is the model's output head with its forward in high
+    precision, whose output gradient is the logits', made row by row by the loss's backward (see
+    transposed_fp8; tensor-wise scaling reads it, block and row-wise scales ignore it)."""
 
     forward_format: Fp8Format
     backward_format: Fp8Format

@@ -56,7 +56,9 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     replica = getattr(model, "_is_replica", False)  # nn.DataParallel's copy of the model for one GPU
     if replica and call.fp8 and (problem := state.backend.replica_problem()) is not None:
         raise RuntimeError(data_parallel_refusal(state.backend.name, problem))
-    if not call.fp8 and torch.is_grad_enabled() and fp8_active(True, recipe.use_during_eval):
+    eval_off = not call.fp8 and fp8_active(True, recipe.use_during_eval)  # on in training mode
+    fp8_off_with_gradients = eval_off and torch.is_grad_enabled()
+    if fp8_off_with_gradients and not state.warned_eval_with_gradients and _trains_something(model):
         _warn_of_gradients_in_eval_mode(model, state)
     state.push_call(model, call)
     context = state.backend.forward_context(model, call.fp8, state.amax_group or default_amax_group())
@@ -74,17 +76,23 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         state.backend.track_replica(model)
 
 
+def _trains_something(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters takes a gradient (a frozen model's forward with gradients
+    is an input attribution, or a teacher outside no_grad: not a training step)."""
+    return any(p.requires_grad for p in model.parameters())
+
+
+@torch.compiler.disable  # under torch.compile(model) the hook is traced: the warning breaks the graph here
 def _warn_of_gradients_in_eval_mode(model: nn.Module, state: PatchState) -> None:
     """Once a model: this forward builds a graph in eval mode, where its FP8 layers compute in high
-    precision (not from compiled code, where a warning breaks the graph)."""
-    if state.warned_eval_with_gradients or torch.compiler.is_compiling():
-        return
+    precision."""
     state.warned_eval_with_gradients = True
     warnings.warn(
         f"hf_fp8: {type(model).__name__} ran a forward with gradients in eval mode, so its FP8 layers "
         "computed in high precision (eval mode is for evaluation). Training? Call model.train() first "
-        "(from_pretrained returns the model in eval mode). Evaluating? Wrap it in torch.no_grad().",
-        stacklevel=6,  # the caller's model(...), past this function, the hook and Module's calls
+        "(from_pretrained returns the model in eval mode). Evaluating? Wrap it in torch.no_grad(). FP8 in "
+        "eval mode: recipe use_during_eval, or hf_fp8.fp8_autocast(enabled=True).",
+        stacklevel=7,  # the caller's model(...): past this, compiler.disable, the hook, Module's calls
     )
 
 

@@ -122,9 +122,11 @@ def test_a_forward_with_gradients_in_eval_mode_warns_once_that_fp8_is_off():
             model(**batch)
         with hf_fp8.fp8_autocast(enabled=False):
             model(**batch).loss.backward()
-    with ScaledMmCalls() as mm, pytest.warns(UserWarning, match=r"in eval mode.*model\.train\(\).*no_grad"):
+    expected = r"in eval mode.*model\.train\(\).*no_grad"
+    with ScaledMmCalls() as mm, pytest.warns(UserWarning, match=expected) as seen:
         model(**batch).loss.backward()
     assert mm.calls == [], "no FP8 GEMM ran"
+    assert seen[0].filename == __file__, "it points at the caller's line"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(**batch).loss.backward()  # said once
@@ -132,6 +134,39 @@ def test_a_forward_with_gradients_in_eval_mode_warns_once_that_fp8_is_off():
     with ScaledMmCalls() as mm:
         model(**batch).loss.backward()
     assert len(mm.calls) == 14 * 3
+
+
+def test_a_frozen_models_forward_with_gradients_in_eval_mode_does_not_warn():
+    """No parameter takes a gradient: an input attribution, or a teacher outside no_grad, not training."""
+    model = tm.build("llama").requires_grad_(False)
+    patch_model(model)
+    model.eval()
+    embeds = model.get_input_embeddings()(tm.batch_for("llama", 16)["input_ids"]).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(inputs_embeds=embeds).logits.sum().backward()
+    assert embeds.grad is not None
+
+
+class HeadlessLlama(nn.Module):
+    """A model whose get_output_embeddings says by raising that it has none (as some remote code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tm.build("llama")
+
+    def get_output_embeddings(self):
+        raise NotImplementedError
+
+    def forward(self, **batch):
+        return self.inner(**batch)
+
+
+def test_a_model_whose_get_output_embeddings_raises_is_patched():
+    model = HeadlessLlama()
+    report = patch_model(model)
+    assert len(report.converted) == 15, "the head too: the model says it has none"
+    model(**tm.batch_for("llama", 16)).loss.backward()
 
 
 def test_scales_advance_once_per_training_step():
