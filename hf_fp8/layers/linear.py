@@ -51,7 +51,8 @@ class Fp8Module(Fp8Scaled):
 
     ROLE_NAMES = ROLES
     FORWARD_ROLES = 2
-    # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward)
+    # False: the forward GEMM runs in high precision, dgrad and wgrad in FP8 (convert_lm_head: backward,
+    # every layer under backward-fp8)
     forward_in_fp8: bool = True
     # The output head with its forward in high precision (see GemmConfig.output_head)
     output_head: bool = False
