@@ -34,7 +34,7 @@ from hf_fp8.layers.fp8_scaled import (
 from hf_fp8.layers.fsdp import check_releasable, gather_weight_in_fp8, gathered_shard
 from hf_fp8.layers.layer_scaling import LayerScaling
 from hf_fp8.layers.linear import Fp8Conv1D, Fp8Linear, Fp8Module
-from hf_fp8.layers.selection import output_head
+from hf_fp8.layers.selection import output_head_layers
 from hf_fp8.layers.shared_inputs import SharedInputCasts
 from hf_fp8.module_tree import replace_modules
 from hf_fp8.numerics.amax_sync import default_amax_group, local_shard, sync_amaxes
@@ -93,9 +93,9 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         self.shared_inputs = SharedInputCasts(named)
-        head = output_head(model)
-        if isinstance(head, Fp8Module) and not head.forward_in_fp8:  # convert_lm_head: backward
-            head.output_head = True
+        for head in output_head_layers(model):
+            if isinstance(head, Fp8Module) and not head.forward_in_fp8:  # convert_lm_head: backward
+                head.output_head = True
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
         experts = [m for m in self.layers if isinstance(m, Fp8Experts)]

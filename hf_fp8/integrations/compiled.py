@@ -51,6 +51,7 @@ from hf_fp8.integrations.multi_query import with_graph_passes
 from hf_fp8.integrations.packed_attention import boundaries_for, use_packed_attention
 from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
+from hf_fp8.layers.selection import output_head
 from hf_fp8.module_tree import repeated_blocks
 from hf_fp8.patching.forward_hooks import given_kv_cache
 from hf_fp8.patching.patch_state import get_state
@@ -181,8 +182,7 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
 
 def _has_language_head(hf_model: nn.Module) -> bool:
     """Whether ``hf_model`` ends in an output head over a vocabulary (a causal LM's ``lm_head``)."""
-    get_head = getattr(hf_model, "get_output_embeddings", None)
-    return callable(get_head) and get_head() is not None
+    return output_head(hf_model) is not None
 
 
 def _plain_forward(module: nn.Module) -> bool:

@@ -42,6 +42,7 @@ __all__ = [
     "matches",
     "module_record",
     "output_head",
+    "output_head_layers",
     "record",
 ]
 
@@ -66,7 +67,8 @@ class ModelContext:
     """Facts about the whole model that decisions about single modules need."""
 
     tied_weights: set[int]
-    output_head: nn.Module | None
+    # the layers computing the output head (through PEFT's wrappers: see output_head_layers)
+    output_heads: tuple[nn.Module, ...]
     num_experts: int | None
     experts_per_token: int | None
     # Linear layers whose weights their parent reads directly (nn.MultiheadAttention's out_proj).
@@ -89,7 +91,7 @@ class ModelContext:
         )
         top_k = getattr(config, "num_experts_per_tok", None)
         read = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-        return cls(tied, output_head(model), num_experts, top_k, read)
+        return cls(tied, output_head_layers(model), num_experts, top_k, read)
 
 
 def module_record(
@@ -178,12 +180,13 @@ def _linear_record(
     if pattern is not None:
         return result(SKIPPED, f"matches modules_to_not_convert pattern {pattern!r}")
     tied = id(module.weight) in context.tied_weights
+    is_head = any(module is head for head in context.output_heads)
     if not recipe.convert_lm_head:
         if tied:
             return result(
                 SKIPPED, "weight tied to the input embeddings (set convert_lm_head: true to convert)"
             )
-        if module is context.output_head:
+        if is_head:
             return result(SKIPPED, "output head (set convert_lm_head: true to convert)")
     if _is_router(name, out_features, context):
         return result(SKIPPED, f"MoE router ({out_features} outputs): routing stays in high precision")
@@ -192,7 +195,7 @@ def _linear_record(
         return result(SKIPPED, f"{dims}: FP8 GEMMs need multiples of {FP8_ALIGNMENT}")
     if not recipe.enabled:
         return result(SKIPPED, "FP8 disabled by the recipe (enabled: false)")
-    if recipe.convert_lm_head == "backward" and (tied or module is context.output_head):
+    if recipe.convert_lm_head == "backward" and (tied or is_head):
         return result(CONVERTED, HEAD_FORWARD_KEPT, forward_in_fp8=False)
     if not recipe.forward_in_fp8:
         return result(CONVERTED, FORWARD_KEPT, forward_in_fp8=False)
@@ -282,6 +285,25 @@ def output_head(model: nn.Module) -> nn.Module | None:
     """The model's output head (HF's ``get_output_embeddings``); ``None`` for a model without one, or
     whose method says it has none by raising."""
     return _call_or_none(model, "get_output_embeddings")
+
+
+def output_head_layers(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The layers that compute ``model``'s output head: the head itself or, where PEFT wraps it, the
+    layers the wrapper computes with (a LoRA layer's base layer; ``modules_to_save``'s original and its
+    trained copies). PEFT's wrappers are recognised by their attributes, so PEFT is not imported."""
+    head = output_head(model)
+    return () if head is None else _unwrapped(head)
+
+
+def _unwrapped(module: nn.Module) -> tuple[nn.Module, ...]:
+    copies = getattr(module, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module"):  # ModulesToSaveWrapper
+        wrapped = [m for m in (module.original_module, *copies.values()) if m is not None]
+        return tuple(layer for m in wrapped for layer in _unwrapped(m))
+    get_base_layer = getattr(module, "get_base_layer", None)  # a LoRA (or other tuner) layer
+    if callable(get_base_layer) and get_base_layer() is not module:
+        return _unwrapped(get_base_layer())
+    return (module,)
 
 
 def _call_or_none(model: nn.Module, method: str) -> Any:
