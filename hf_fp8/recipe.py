@@ -353,7 +353,7 @@ RECIPE_PURPOSES: dict[str, str] = {
     "lora-fp8-block": "LoRA over base weights stored in FP8 in 128x128 blocks (fine-grained FP8 checkpoints)",
 }
 
-# What the long runs against BF16 measured for each named recipe (``benchmarks/convergence.py``, two H200s,
+# What the long runs against BF16 measured for each named recipe (``benchmarks/convergence.py``, H200s,
 # 2026-11-28; docs/recipes.md#long-runs): from scratch, a 384M Llama over 3,100 steps; fine-tuned,
 # SmolLM2-135M over 1,000. Issue 46's bounds: train loss within 0.5%, held-out perplexity within 1%.
 RECIPE_LONG_RUNS: dict[str, str] = {
@@ -367,8 +367,8 @@ RECIPE_LONG_RUNS: dict[str, str] = {
     "reference-fp8": "frozen, forward only: not a training recipe",
     "backward-fp8": "from scratch +0.02% loss, held-out -0.26%; SmolLM2 tuned +0.06%, held-out +0.06%; "
     "SmolLM2 LoRA +0.04%, held-out +0.06%: within the bounds",
-    "fsdp-fp8": "hybrid-delayed's numerics (one rank: its losses bit for bit): from scratch -0.14% loss, "
-    "held-out -0.47%; its FP8 forwards fine-tune as hybrid-delayed's: OVER the 0.5% bound (+0.90%)",
+    "fsdp-fp8": "not run itself: over one rank it trains as hybrid-delayed bit for bit (from scratch -0.14% "
+    "loss, held-out -0.47%); its FP8 forwards fine-tune as hybrid-delayed's: OVER the 0.5% bound (+0.90%)",
     "rowwise": "from scratch +0.23% loss, held-out +0.11%: within the bounds",
     "rowwise-gw-hp": "from scratch -0.13% loss, held-out -0.49%: within the bounds",
     "block": "from scratch -0.14% loss, held-out -0.34%: within the bounds",

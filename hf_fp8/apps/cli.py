@@ -278,6 +278,7 @@ def _env(argv: list[str]) -> int:
     from hf_fp8.backends.te import te_usable
     from hf_fp8.formats import gpu_has_fp8
     from hf_fp8.numerics.blockwise import block_kernels_available
+    from hf_fp8.numerics.grouped import grouped_kernels_run_on
 
     for package in ("hf-fp8", "torch", "transformers", "accelerate", "peft", "transformer-engine"):
         try:
@@ -288,6 +289,7 @@ def _env(argv: list[str]) -> int:
     scaled_mm = "available" if hasattr(torch, "_scaled_mm") else "missing (FP8 GEMMs emulated)"
     print(f"{'torch._scaled_mm':<20} {scaled_mm}")
     _print_cpu_gemms()
+    print(f"  MoE experts in FP8 (convert_experts): {_experts_gemms(False)}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             capability = torch.cuda.get_device_capability(i)
@@ -299,6 +301,7 @@ def _env(argv: list[str]) -> int:
                     if block
                     else "; block scaling emulated (Hopper and torch >= 2.9 run it)"
                 )
+                fp8 += f"; MoE experts: {_experts_gemms(grouped_kernels_run_on(torch.device('cuda', i)))}"
             print(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {capability}: {fp8}")
     else:
         print("GPUs: none (CUDA not available); FP8 numerics run on the CPU")
@@ -308,6 +311,13 @@ def _env(argv: list[str]) -> int:
     if torch.cuda.is_available():
         print(f"{'cuDNN':<20} {_cudnn_status()}")
     return 0
+
+
+def _experts_gemms(grouped: bool) -> str:
+    """How FP8 MoE experts multiply on a device (see hf_fp8.numerics.grouped)."""
+    if grouped:
+        return "one grouped FP8 GEMM a projection (torch._scaled_grouped_mm)"
+    return "one FP8 GEMM an expert (no grouped FP8 kernel here)"
 
 
 def _print_cpu_gemms() -> None:

@@ -36,7 +36,7 @@ from hf_fp8.backends.registry import is_fp8_module
 from hf_fp8.checks import check_model
 from hf_fp8.formats import E4M3
 from hf_fp8.layers.linear import Fp8Module
-from hf_fp8.layers.selection import matches
+from hf_fp8.layers.selection import matches, output_head
 from hf_fp8.layers.stored_weight import Fp8StoredWeight
 from hf_fp8.numerics.blockwise import BLOCK, cast_blocks
 from hf_fp8.patching.patch import patch_model
@@ -169,7 +169,7 @@ def _refuse_adapters(model: nn.Module) -> None:
 def _plan(model: nn.Module, patterns: list[str]) -> tuple[dict[str, nn.Module], list[str]]:
     """The linear layers to store in FP8, by name, and the names of the linear layers and MoE experts
     modules left in their dtype (the checkpoint's ``modules_to_not_convert``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_head(model)
     holders: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

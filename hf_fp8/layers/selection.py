@@ -76,10 +76,10 @@ class ModelContext:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelContext:
-        tied: set[int] = set()
         inputs = _call_or_none(model, "get_input_embeddings")
-        if inputs is not None and getattr(inputs, "weight", None) is not None:
-            tied.add(id(inputs.weight))
+        # through PEFT's wrappers: a wrapper's weight attribute may be a merged copy, not the parameter
+        embeddings = () if inputs is None else _unwrapped(inputs)
+        tied = {id(m.weight) for m in embeddings if isinstance(getattr(m, "weight", None), torch.Tensor)}
         config = getattr(model, "config", None)
         num_experts = next(
             (
@@ -290,7 +290,8 @@ def output_head(model: nn.Module) -> nn.Module | None:
 def output_head_layers(model: nn.Module) -> tuple[nn.Module, ...]:
     """The layers that compute ``model``'s output head: the head itself or, where PEFT wraps it, the
     layers the wrapper computes with (a LoRA layer's base layer; ``modules_to_save``'s original and its
-    trained copies). PEFT's wrappers are recognised by their attributes, so PEFT is not imported."""
+    trained copies; the layer under ``trainable_token_indices``' wrapper). PEFT's wrappers are recognised
+    by their attributes, so PEFT is not imported."""
     head = output_head(model)
     return () if head is None else _unwrapped(head)
 
@@ -300,6 +301,9 @@ def _unwrapped(module: nn.Module) -> tuple[nn.Module, ...]:
     if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module"):  # ModulesToSaveWrapper
         wrapped = [m for m in (module.original_module, *copies.values()) if m is not None]
         return tuple(layer for m in wrapped for layer in _unwrapped(m))
+    original = getattr(module, "original_module", None)  # TrainableTokensWrapper, or a wrapper like it
+    if isinstance(original, nn.Module) and original is not module:
+        return _unwrapped(original)
     get_base_layer = getattr(module, "get_base_layer", None)  # a LoRA (or other tuner) layer
     if callable(get_base_layer) and get_base_layer() is not module:
         return _unwrapped(get_base_layer())

@@ -50,6 +50,7 @@ def test_env_lists_versions_and_the_backend_choice():
         "torch._scaled_mm, scales in row-wise shape",
         "float32 emulation",
     }
+    assert "MoE experts in FP8 (convert_experts): one FP8 GEMM an expert" in result.stdout
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,22 @@ def test_an_unpatched_model_compiles_at_once_and_compiling_twice_changes_nothing
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_a_model_whose_get_output_embeddings_raises_compiles():
+    """Some remote code says by raising that its model has no output head: hf_fp8.compile takes it at its
+    word (it crashed on the call before), compiles the model's forward as a classifier's and trains."""
+    from transformers import LlamaForCausalLM
+
+    class HeadlessByRaising(LlamaForCausalLM):
+        def get_output_embeddings(self):
+            raise NotImplementedError
+
+    torch.manual_seed(0)
+    model = HeadlessByRaising(tm.build("llama").config).train()
+    hf_fp8.patch_model(model)
+    assert hf_fp8.compile(model, backend="aot_eager") is model
+    assert all(torch.isfinite(torch.tensor(train(model, steps=2))))
+
+
 def gemma2_with_soft_capping() -> torch.nn.Module:
     config = AutoConfig.for_model(
         "gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -301,33 +301,49 @@ def test_merge_after_peft_first_keeps_the_model_patched():
     assert layer.fp8_steps.item() == steps + 1, "the moved hooks still end steps"
 
 
-HEAD_WRAPPINGS = {
-    "a LoRA target": {"target_modules": ["q_proj", "lm_head"]},
-    "in modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+HEAD_WRAPPINGS = {  # arch, PEFT's options, the layers inside the wrapper that compute the head
+    "a LoRA target": ("llama", {"target_modules": ["q_proj", "lm_head"]}, ["base_layer"]),
+    "in modules_to_save": (
+        "llama",
+        {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+        ["original_module", "modules_to_save.default"],
+    ),
+    "with trainable tokens (tied)": (
+        "gemma",
+        {"target_modules": ["q_proj"], "trainable_token_indices": [0, 1]},
+        ["token_adapter.base_layer"],
+    ),
 }
 
 
 @pytest.mark.parametrize("wrapping", list(HEAD_WRAPPINGS))
 def test_an_output_head_wrapped_by_peft_is_still_the_output_head(wrapping):
-    """PEFT wraps ``lm_head`` when it is a LoRA target or in ``modules_to_save``; the layers inside the
-    wrapper (the base layer; the original and its trained copy) are the head all the same: kept in high
-    precision by default, and under ``convert_lm_head: backward`` converted with the head's forward in
-    high precision and its own transposed gradient copy. Before, the wrapped head converted with FP8
-    forwards."""
+    """PEFT wraps ``lm_head`` when it is a LoRA target, in ``modules_to_save``, or tied to embeddings with
+    trainable tokens; the layers inside the wrapper are the head all the same: kept in high precision by
+    default, and under ``convert_lm_head: backward`` converted with the head's forward in high precision
+    and its own transposed gradient copy. Before, the wrapped head converted with FP8 forwards."""
     from peft import LoraConfig, get_peft_model
 
+    arch, options, inside = HEAD_WRAPPINGS[wrapping]
+    expected = {f"base_model.model.lm_head.{name}" for name in inside}
+
     def wrapped_model():
-        return get_peft_model(tm.build("llama"), LoraConfig(r=4, **HEAD_WRAPPINGS[wrapping]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT's notes on tied weights
+            return get_peft_model(tm.build(arch), LoraConfig(r=4, **options))
 
     peft_model = wrapped_model()
-    assert not peft_model.config.tie_word_embeddings, "an untied head: no tie keeps it out"
     report = patch_model(peft_model)
-    heads = [r for r in report.records if ".lm_head." in r.name and "lora_" not in r.name]
-    assert heads and all(r.action == "skipped" and "output head" in r.reason for r in heads), heads
+    heads = {r.name: r for r in report.records if r.name in expected}
+    assert set(heads) == expected
+    assert all(
+        r.action == "skipped" and ("output head" in r.reason or "tied" in r.reason) for r in heads.values()
+    )
     assert not any(isinstance(m, Fp8Module) for n, m in peft_model.named_modules() if ".lm_head" in n)
 
     peft_model = wrapped_model()
     patch_model(peft_model, {"convert_lm_head": "backward"})
-    layers = [m for n, m in peft_model.named_modules() if ".lm_head" in n and isinstance(m, Fp8Module)]
-    assert layers and all(not m.forward_in_fp8 and m.output_head for m in layers)
-    assert train(peft_model, text_batches(2))[-1] > 0
+    layers = {n: m for n, m in peft_model.named_modules() if n in expected}
+    assert set(layers) == expected
+    assert all(isinstance(m, Fp8Module) and not m.forward_in_fp8 and m.output_head for m in layers.values())
+    assert train(peft_model, text_batches(2), arch)[-1] > 0

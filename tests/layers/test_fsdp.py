@@ -121,8 +121,8 @@ def test_sharded_training_matches_the_unsharded_run(runs):
 
 def test_one_rank_of_the_fp8_all_gather_trains_as_the_unsharded_default(tmp_path, single):
     """``fsdp-fp8`` is the defaults' numerics with the weights cast before the all-gather: over one rank,
-    every step's loss, amaxes and scales are the unsharded default run's, bit for bit. So the defaults'
-    long runs stand for it (docs/recipes.md); over more ranks only the order of the sums differs."""
+    every step's loss and a layer's amaxes and scales are the unsharded default run's, bit for bit. So
+    the defaults' long runs stand for it (docs/recipes.md); over more ranks only the sums' order differs."""
     run(
         [([*cmd, str(tmp_path), str(STEPS), "--fp8-all-gather"], env) for cmd, env in ranks(1, WORKER)],
         tmp_path / "log",
