@@ -68,6 +68,17 @@ def test_inspect_reports_what_would_be_converted_and_the_weight_memory(config_di
     assert "keeps the weights in" in result.stdout, "conservative casts; it stores nothing in FP8"
 
 
+def test_the_demo_report_says_which_step_was_faster_from_the_times_it_measured():
+    """Its GPU sentence used to be fixed text saying FP8 is no faster; it now follows the two times."""
+    from hf_fp8.apps.demo_report import speed_note
+
+    slower = speed_note("cuda", "BF16", 0.11, 0.14)
+    assert "0.14 s against BF16's 0.11 s" in slower and "kernel launches" in slower
+    faster = speed_note("cuda", "BF16", 0.14, 0.10)
+    assert "(1.40x)" in faster and "kernel launches" not in faster
+    assert "CPU fallback" in speed_note("cpu", "FP32", 2.0, 3.0)
+
+
 @needs_demo_data
 @pytest.mark.parametrize("mode", [(), ("--full", "--precision", "fp32")])
 def test_demo_fine_tunes_the_real_model_and_writes_the_plot_and_the_report(mode, tmp_path):
