@@ -382,3 +382,17 @@ def test_convergence_trains_lora_adapters_over_fp8_stored_weights(tmp_path):
     fp8 = _load_benchmark_module("convergence_report").read_curve(folder / "lora-fp8.jsonl")
     assert fp8["summary"]["lora"] and fp8["summary"]["fp8_flop_share"] > 0
     assert fp8["losses"][-1] < fp8["losses"][0]
+
+
+def test_linear_bench_reads_the_shapes_it_is_given_and_names_the_format_of_bad_ones():
+    """``--shapes`` (a GPU benchmark: only its argument here) for the narrow layers where FP8 stops paying."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("linear_bench", BENCHMARKS / "linear_bench.py")
+    linear_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(linear_bench)
+    assert linear_bench.parse_shapes("576x1536,1600x6400") == [(576, 1536), (1600, 6400)]
+    for bad in ("576", "576x", "0x16", "1x2x3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="INxOUT"):
+            linear_bench.parse_shapes(bad)
