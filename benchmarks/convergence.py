@@ -12,7 +12,8 @@ gradients clipped at 1.0, the model compiled block by block with ``hf_fp8.compil
 the same compile). ``bf16`` is the baseline; every other run names a recipe (``default``: what
 ``patch_model`` takes given none, ``hybrid-delayed`` from scratch and ``backward-fp8`` for ``--init
 smollm2``'s checkpoint), patched with ``patch_model`` and guarded with ``Fp8NanGuard`` as a user's loop
-would be.
+would be. A recipe that all-gathers weights in FP8 (``fsdp-fp8``) trains under FSDP2 over a one-process
+group (each decoder layer, then the root), so that its own path is the one measured.
 
 ``--init smollm2`` continues the demo's real model (SmolLM2-135M-Instruct) instead, and ``--lora`` trains
 LoRA adapters (rank 16 on every projection, as the demo) over its frozen weights, for example:
@@ -149,6 +150,9 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
     model = build_model(args, corpus.vocab_size)
     fp8 = run != "bf16"
     report = hf_fp8.patch_model(model, None if run == "default" else run) if fp8 else None
+    sharded = report is not None and report.recipe.fp8_all_gather
+    if sharded:
+        shard_over_one_process(model, device)
     if args.lora:
         model = with_lora(model, args.seed)
     if args.compile:
@@ -217,10 +221,32 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
         "ms_per_step": statistics.median(step_ms[1:] or step_ms),
         "corpus": corpus.describe(),
         "fp8_flop_share": report.fp8_flop_share if report is not None else 0.0,
+        "sharded": "FSDP2 over one process" if sharded else None,
         "high_precision": {r.name: r.reason for r in report.skipped} if report is not None else {},
     }
     _write(curve, {"summary": summary})
     return summary
+
+
+def shard_over_one_process(model, device) -> None:
+    """``fully_shard`` on each decoder layer and then the root, over a one-process group (NCCL on a GPU,
+    gloo on the CPU): what a recipe that all-gathers weights in FP8 is for."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        with socket.socket() as probe:  # a free port for the one-process rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 
 
 def with_lora(model, seed: int):

@@ -298,12 +298,14 @@ def test_corpus_splits_by_document_drops_copies_and_is_built_once(tmp_path):
 
 
 def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_path):
-    """``convergence.py`` on the CPU at a tiny size: a BF16 (here float32) run and an FP8 one, each in a
-    process of its own and both at once (``--gpus``), their curves, FP8 telemetry per layer and role, the
-    table in the order of ``--runs``, and the plots."""
+    """``convergence.py`` on the CPU at a tiny size: a BF16 (here float32) run and FP8 ones, each in a
+    process of its own, two at once (``--gpus``), their curves, FP8 telemetry per layer and role, the
+    table in the order of ``--runs``, and the plots. ``fsdp-fp8`` trains under FSDP2 over one process,
+    its weights all-gathered in FP8, and its losses are the default's bit for bit (its long run stands on
+    that one)."""
     folder = tmp_path / "runs"
     out = bench(
-        "convergence.py", "--folder", str(folder), "--runs", "bf16,default", "--gpus", "0,1",
+        "convergence.py", "--folder", str(folder), "--runs", "bf16,default,fsdp-fp8", "--gpus", "0,1",
         "--shape", "tiny", "--steps", "40", "--batch", "2", "--seq", "32", "--device", "cpu",
         "--autocast", "none", "--compile", "0", "--tokenizer", "bytes", "--max-files", "30",
         "--held-out-share", "0.2", "--log-every", "10", "--eval-every", "20", "--eval-batches", "2",
@@ -327,6 +329,9 @@ def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_pa
     assert set(q_proj) == {"input", "weight", "grad_output"} and q_proj["weight"][0] > 0
     assert all(0 <= fraction <= 1 for scale, *fractions in q_proj.values() for fraction in fractions)
     assert fp8["summary"]["fp8_flop_share"] > 0 and bf16["summary"]["fp8_flop_share"] == 0
+    gathered = curves.read_curve(folder / "fsdp-fp8.jsonl")
+    assert gathered["summary"]["sharded"] == "FSDP2 over one process" and fp8["summary"]["sharded"] is None
+    assert gathered["losses"] == fp8["losses"]
     figure = curves.summary_figure([folder], tmp_path / "figure.png")  # the README's, from these runs
     assert figure.stat().st_size > 0
 

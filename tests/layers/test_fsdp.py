@@ -119,20 +119,6 @@ def test_sharded_training_matches_the_unsharded_run(runs):
         assert a["history"][1][0] == pytest.approx(reference["history"][1][0], rel=tolerance)
 
 
-def test_one_rank_of_the_fp8_all_gather_trains_as_the_unsharded_default(tmp_path, single):
-    """``fsdp-fp8`` is the defaults' numerics with the weights cast before the all-gather: over one rank,
-    every step's loss and a layer's amaxes and scales are the unsharded default run's, bit for bit. So
-    the defaults' long runs stand for it (docs/recipes.md); over more ranks only the sums' order differs."""
-    run(
-        [([*cmd, str(tmp_path), str(STEPS), "--fp8-all-gather"], env) for cmd, env in ranks(1, WORKER)],
-        tmp_path / "log",
-    )
-    sharded, reference = records(tmp_path), records(single)
-    assert all(r["weight_seen"]["type"] == "Fp8GatheredWeight" for r in sharded)
-    for a, b in zip(sharded, reference, strict=True):
-        assert (a["loss"], a["history"], a["scale"]) == (b["loss"], b["history"], b["scale"]), a["step"]
-
-
 def test_the_optimizer_updates_the_sharded_parameters(runs):
     """Each of the model's sharded parameters, once. Accelerate swaps the optimizer's parameters for the
     sharded ones by their data pointers, so a weight all-gathered in FP8 (a wrapper with no storage of
