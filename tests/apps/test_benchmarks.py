@@ -299,13 +299,13 @@ def test_corpus_splits_by_document_drops_copies_and_is_built_once(tmp_path):
 
 def test_convergence_trains_every_run_on_the_same_batches_and_tables_them(tmp_path):
     """``convergence.py`` on the CPU at a tiny size: a BF16 (here float32) run and FP8 ones, each in a
-    process of its own, two at once (``--gpus``), their curves, FP8 telemetry per layer and role, the
+    process of its own, all at once (``--gpus``), their curves, FP8 telemetry per layer and role, the
     table in the order of ``--runs``, and the plots. ``fsdp-fp8`` trains under FSDP2 over one process,
     its weights all-gathered in FP8, and its losses are the default's bit for bit (its long run stands on
     that one)."""
     folder = tmp_path / "runs"
     out = bench(
-        "convergence.py", "--folder", str(folder), "--runs", "bf16,default,fsdp-fp8", "--gpus", "0,1",
+        "convergence.py", "--folder", str(folder), "--runs", "bf16,default,fsdp-fp8", "--gpus", "0,1,2",
         "--shape", "tiny", "--steps", "40", "--batch", "2", "--seq", "32", "--device", "cpu",
         "--autocast", "none", "--compile", "0", "--tokenizer", "bytes", "--max-files", "30",
         "--held-out-share", "0.2", "--log-every", "10", "--eval-every", "20", "--eval-batches", "2",
