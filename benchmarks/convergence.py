@@ -231,19 +231,12 @@ def run_one(run: str, args: argparse.Namespace) -> dict:
 def shard_over_one_process(model, device) -> None:
     """``fully_shard`` on each decoder layer and then the root, over a one-process group (NCCL on a GPU,
     gloo on the CPU): what a recipe that all-gathers weights in FP8 is for."""
-    import os
-    import socket
-
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    if not dist.is_initialized():
-        with socket.socket() as probe:  # a free port for the one-process rendezvous
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # one process: an in-memory store, no rendezvous address
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
