@@ -65,12 +65,18 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str = "cuda", layers: int | None = None) -> LlamaForCausalLM:
-    """The Llama of ``shape`` in BF16, in training mode; ``layers`` overrides its number of layers."""
+def llama_config(shape: str, layers: int | None = None) -> LlamaConfig:
+    """The config of the Llama of ``shape`` (SDPA attention); ``layers`` overrides its number of layers."""
     config = LlamaConfig(**{"vocab_size": 128256, "max_position_embeddings": 8192, **SHAPES[shape]})
     if layers is not None:
         config.num_hidden_layers = layers
     config._attn_implementation = "sdpa"
+    return config
+
+
+def build(shape: str, device: str = "cuda", layers: int | None = None) -> LlamaForCausalLM:
+    """The Llama of ``shape`` in BF16, in training mode; ``layers`` overrides its number of layers."""
+    config = llama_config(shape, layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -20,9 +18,10 @@ def norm_eps(module: nn.Module) -> float | None:
 def norm_kind(module: nn.Module) -> str | None:
     """``layernorm``, ``rmsnorm`` or ``rmsnorm (1 + w)`` (Gemma), told apart by what the module computes.
 
-    Candidates are leaf modules with a 1-D ``weight`` and an epsilon attribute; a copy of the module is
-    run on a probe input (the module itself is never called, so meta-device models work too) and its
-    output compared with each formula.
+    Candidates are leaf modules with a 1-D ``weight`` and an epsilon attribute; a probe of the module
+    (its class and attributes, float32 tensors of its parameters' shapes) runs its class's forward on a
+    probe input and its output is compared with each formula. The module itself is never called nor its
+    tensors read: meta-device and sharded (DTensor) modules work too, and no hook of theirs runs.
     """
     weight = getattr(module, "weight", None)
     eps = norm_eps(module)
@@ -35,7 +34,7 @@ def norm_kind(module: nn.Module) -> str | None:
         or next(module.children(), None)
     ):
         return None
-    probe = copy.deepcopy(module).to_empty(device="cpu").float()
+    probe = _probe(module)
     hidden = weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, hidden, generator=generator) * 3 + 1
@@ -44,7 +43,7 @@ def norm_kind(module: nn.Module) -> str | None:
         if getattr(probe, "bias", None) is not None:
             probe.bias.zero_()
         try:
-            y = probe(x)
+            y = type(probe).forward(probe, x)
         except Exception:
             return None
         w = probe.weight
@@ -60,3 +59,20 @@ def norm_kind(module: nn.Module) -> str | None:
     return next(
         (kind for kind, ref in candidates.items() if torch.allclose(y, ref, rtol=1e-4, atol=1e-4)), None
     )
+
+
+def _probe(module: nn.Module) -> nn.Module:
+    """A shallow copy of leaf ``module`` with tensors of its own on the CPU in float32 (zeros; the
+    caller fills the weight)."""
+    probe = object.__new__(type(module))  # no __new__ or __init__ of its class (FSDP2's has both)
+    probe.__dict__.update(module.__dict__)
+    probe._parameters = {
+        n: None if p is None else nn.Parameter(torch.zeros(p.shape), p.requires_grad)
+        for n, p in module._parameters.items()
+    }
+    probe._buffers = {n: None if b is None else _zeros_like(b) for n, b in module._buffers.items()}
+    return probe
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype)

@@ -38,6 +38,7 @@ from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.default_recipe import resolve_recipe
+from hf_fp8.patching.fsdp_first import HANDED_OVER, UNIT_KEPT, fsdp2_sharding
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
 from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
 from hf_fp8.patching.tensor_parallel import check_layouts, install_layouts, tensor_parallel_layouts
@@ -104,24 +105,32 @@ def patch_model(
         if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
-    layouts = tensor_parallel_layouts(model)  # refuses a model sharded by fully_shard before patching
+    sharding = fsdp2_sharding(model)  # a model FSDP2 sharded before patching (transformers' loading)
+    layouts = tensor_parallel_layouts(model, sharded_by_fsdp2=sharding is not None)
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
         report = _walk(model, NativeBackend(recipe), convert=False, module_filter_fn=module_filter_fn)[0]
         report.backend = "none"
         return report
     stage, backend = _check_zero(model, recipe, backend)  # refuses before the model changes
+    if sharding is not None:
+        sharding.check(recipe, backend)
+        backend = "native"
     device = _device_of(model)
     chosen_class, passed_over = (
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
     )
     chosen = chosen_class(recipe)
+    units = sharding.units if sharding is not None else set()
     if layouts:
-        planned = _walk(model, chosen, convert=False, module_filter_fn=module_filter_fn)[0]
+        planned = _walk(model, chosen, convert=False, module_filter_fn=module_filter_fn, units=units)[0]
         check_layouts(layouts, [r.name for r in planned.converted], chosen.name)
-    report, replaced, handles = _walk(
-        model, chosen, convert=True, fuse=fuse and module_filter_fn is None, module_filter_fn=module_filter_fn
-    )
+    fusing = fuse and module_filter_fn is None
+    report, replaced, handles = _walk(model, chosen, True, fusing, module_filter_fn, units)
+    swaps = [(r.original, get_path(model, r.path)) for r in replaced]
+    if sharding is not None:
+        sharding.hand_over(swaps)
+        report.notes.append(HANDED_OVER)
     if layouts:
         install_layouts(layouts, {r.path: get_path(model, r.path) for r in replaced})
         report.notes.append(
@@ -150,6 +159,8 @@ def patch_model(
     try:
         state.handles += chosen.attach(model, replaced, report)
     except Exception:
+        if sharding is not None:
+            sharding.hand_over([(new, old) for old, new in swaps])
         _undo(model, replaced, state.handles)
         raise
     set_state(model, state)
@@ -227,10 +238,11 @@ def _walk(
     convert: bool,
     fuse: bool = False,
     module_filter_fn: ModuleFilter | None = None,
+    units: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[PatchReport, list[Replaced], list[RemovableHandle]]:
     """Report every module of ``model``; with ``convert``, replace those that convert (fusing blocks
-    first when ``fuse``; ``module_filter_fn`` may keep any in high precision). Returns the report, what
-    was replaced (in order) and the hooks fused blocks registered."""
+    first when ``fuse``; ``module_filter_fn`` may keep any in high precision, and FSDP2's ``units``, by
+    id, stay). Returns the report, what was replaced (in order) and the hooks fused blocks registered."""
     recipe = backend.recipe
     report = PatchReport(backend=backend.name, recipe=recipe, total_params=_count_params(model))
     context = ModelContext.of(model)
@@ -263,7 +275,8 @@ def _walk(
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            record, new = _decide(name, module, backend, context, convert, module_filter_fn)
+            unit = id(module) in units
+            record, new = _decide(name, module, backend, context, convert, module_filter_fn, unit)
             if record is not None:
                 report.records.append(record)
             if new is not None:
@@ -286,6 +299,7 @@ def _decide(
     context: ModelContext,
     convert: bool,
     module_filter_fn: ModuleFilter | None = None,
+    fsdp2_unit: bool = False,
 ) -> tuple[ModuleRecord | None, nn.Module | None]:
     """The report entry for ``module`` and its FP8 replacement (``None`` if it stays)."""
     fp8 = is_fp8_module(module)
@@ -299,6 +313,8 @@ def _decide(
         return _with(record, KEPT, backend.keeps_norms), None
     if module_filter_fn is not None and not fp8 and not module_filter_fn(module, name):
         return _with(record, KEPT if norm else SKIPPED, FILTERED), None
+    if fsdp2_unit:
+        return _with(record, KEPT if norm else SKIPPED, UNIT_KEPT), None
     if record.kind == "experts":
         return record, backend.convert_experts(module) if convert else None
     if not norm:

@@ -10,9 +10,10 @@ the step's end reduces every amax over the ranks (a MAX over the world group), s
 the whole tensor's amax from the second step on, as FSDP2's shards do.
 
 Column-wise and row-wise linear layers convert; a layer of another style (``colwise_gather_output``,
-packed or expert styles) is refused before anything changes, as is a model sharded by ``fully_shard``
-before patching or loaded with transformers' ``fsdp_size`` (its layout lives in FSDP2's references to
-the old modules).
+packed or expert styles) is refused before anything changes. A model that transformers sharded with FSDP2
+as well (``DistributedConfig(tp_size=..., fsdp_size=...)``: FSDP2 x TP) keeps its tensor-parallel layouts
+the same way, over the mesh's tensor-parallel dimension (see :mod:`hf_fp8.patching.fsdp_first` for the
+FSDP2 side).
 """
 
 from __future__ import annotations
@@ -41,28 +42,20 @@ class TensorParallelLayout:
         return any(cls.__name__ in _SUPPORTED for cls in type(self.style).__mro__)
 
 
-def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]:
-    """The layout of every module of ``model`` whose own parameters are DTensors, by module name; raises,
-    naming the weight, where one has no tensor-parallel style (sharded by ``fully_shard``)."""
+def tensor_parallel_layouts(model: nn.Module, sharded_by_fsdp2: bool) -> dict[str, TensorParallelLayout]:
+    """The layout of every module of ``model`` that tensor parallelism sharded, by module name. Without
+    FSDP2 every module whose own parameters are DTensors must have one: raises, naming the weight, where
+    one has no tensor-parallel style (sharded by something else)."""
     if not torch.distributed.is_available():
         return {}
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    wrapped = next((name for name, m in model.named_modules() if isinstance(m, FSDPModule)), None)
-    if wrapped is not None:
-        raise ValueError(
-            f"patch_model: {wrapped or 'the model'} is already sharded by FSDP2 (fully_shard, or "
-            "transformers' DistributedConfig(fsdp_size=...)), and converting it would lose its layout. Patch "
-            "before sharding: patch_model and then fully_shard (prepare_fp8 and Fp8TrainerCallback do it in "
-            "that order)"
-        )
     sharded_modules = {}
     for name, module in model.named_modules():
         sharded = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
         if sharded:
             sharded_modules[name] = sharded
-    if not sharded_modules:
+    if not sharded_modules or (sharded_by_fsdp2 and _tensor_parallel_size(model) <= 1):
         return {}
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 
@@ -70,6 +63,8 @@ def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]
     layouts = {}
     for name, sharded in sharded_modules.items():
         style_name = plan.get(replace_layer_number_by_wildcard(name))
+        if style_name is None and sharded_by_fsdp2:  # FSDP2's shards alone
+            continue
         if style_name is None:
             param_name, param = sharded[0]
             raise ValueError(
@@ -78,9 +73,21 @@ def tensor_parallel_layouts(model: nn.Module) -> dict[str, TensorParallelLayout]
                 "lose its layout. Patch before sharding: for FSDP2 or HSDP, patch_model and then fully_shard "
                 "(prepare_fp8 and Fp8TrainerCallback do it in that order)"
             )
-        mesh = sharded[0][1].device_mesh
+        mesh = _tensor_parallel_mesh(sharded[0][1].device_mesh)
         layouts[name] = TensorParallelLayout(ALL_PARALLEL_STYLES[style_name], style_name, mesh)
     return layouts
+
+
+def _tensor_parallel_size(model: nn.Module) -> int:
+    """The tensor-parallel degree transformers loaded ``model`` with (1: none)."""
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    return getattr(config, "tp_size", None) or 1
+
+
+def _tensor_parallel_mesh(mesh: Any) -> Any:
+    """The tensor-parallel dimension of a weight's mesh: the mesh itself, or under FSDP2 x TP its last
+    dimension (FSDP2 puts its data-parallel dimensions first)."""
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
 def check_layouts(layouts: dict[str, TensorParallelLayout], converted: list[str], backend: str) -> None:

@@ -1,15 +1,17 @@
-"""A worker of tests/distributed/test_tensor_parallel.py: FP8 training of a tiny Llama sharded by
-transformers' tensor parallelism (``DistributedConfig(tp_plan="auto")``, gloo on the CPU), or in one
-process as the reference; or ``patch_model`` on a model that ``fully_shard`` sharded first.
+"""A worker of tests/distributed/test_tensor_parallel.py: FP8 training of a tiny Llama that
+transformers sharded as it loaded (gloo on the CPU), or in one process as the reference; or
+``patch_model`` on a model that ``fully_shard`` sharded first, with a recipe that cannot be honoured there.
 
-    python dist_tp_worker.py OUT_DIR MODEL_DIR {tp,single,fsdp} STEPS [SAVE_AT | RESUME_FROM]
+    python dist_tp_worker.py OUT_DIR MODEL_DIR LAYOUT STEPS
 
-Every rank trains on the same batches (tensor parallelism splits the layers, not the data). Writes
-OUT_DIR/rank{R}.json: per step the loss and the FP8 state of a column-wise (``q_proj``) and a row-wise
-(``down_proj``) layer, and what ``unpatch_model`` said; or, for ``fsdp``, the refusal and whether the
-model still runs. A number after STEPS checkpoints after that step (torch.distributed.checkpoint for the
-sharded weights and the optimizer, ``save_fp8_state`` for the FP8 state) into OUT_DIR/checkpoint; a
-folder resumes from such a checkpoint.
+LAYOUT is ``single``, one of ``LAYOUTS`` below (transformers' ``DistributedConfig``: ``tp``, tensor
+parallelism over every rank; ``fsdp-tp``, FSDP2 x TP, 2 x 2; ``hsdp``, two replicas of two FSDP2
+shards, patched with the output head converted too), or ``fsdp-all-gather`` (``fully_shard`` first, then
+the recipe ``fsdp-fp8``). The ranks of one tensor-parallel group train on the same rows, each
+data-parallel group on its share of the global batch. Writes OUT_DIR/rank{R}.json: this rank's data
+share, the patch report, per step the loss and the FP8 state of a column-wise (``q_proj``) and a
+row-wise (``down_proj``) layer with the amax of its whole weight as the step began, and what
+``unpatch_model`` said; or the refusal and whether the model still runs.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_mod
 import tiny_models as tm
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_fp8
 
 LAYERS = {"colwise": "model.layers.0.self_attn.q_proj", "rowwise": "model.layers.1.mlp.down_proj"}
+GLOBAL_BATCH = 4
+LAYOUTS = {
+    "tp": dict(tp_plan="auto"),
+    "fsdp-tp": dict(tp_size=2, fsdp_size=2),
+    "hsdp": dict(dp_replicate_size=2, fsdp_size=2),
+}
 
 
 def fp8_state(layer) -> dict:
@@ -38,48 +45,53 @@ def fp8_state(layer) -> dict:
     return {"amax": layer.amax_history[:, 1].tolist(), "scale": layer.scale.tolist()}
 
 
-def train(model, steps: int, checkpoint: str | None) -> dict:
-    report = hf_fp8.patch_model(model, "hybrid-delayed", backend="native")  # FP8 forwards on the shards too
+def whole_amax(weight: torch.Tensor) -> float:
+    """The amax of the whole weight, of which this rank may hold a shard."""
+    return (weight.full_tensor() if isinstance(weight, DTensor) else weight).abs().max().item()
+
+
+def data_share(model) -> tuple[int, int]:
+    """This rank's index among the data-parallel groups, and their number (the ranks of a tensor-parallel
+    group share their rows; transformers' mesh puts the tensor-parallel dimension last)."""
+    if not dist.is_initialized():
+        return 0, 1
+    tp_size = model.config.distributed_config.tp_size or 1
+    return dist.get_rank() // tp_size, dist.get_world_size() // tp_size
+
+
+def train(model, layout: str, steps: int) -> dict:
+    recipe = hf_fp8.Fp8Recipe.named("hybrid-delayed")  # FP8 forwards on the shards too
+    if layout == "hsdp":  # the output head is an FSDP2 unit of its own there: it stays, and says why
+        recipe = recipe.replace(convert_lm_head=True)
+    report = hf_fp8.patch_model(model, recipe, backend="native")
+    share, shares = data_share(model)
+    rows = GLOBAL_BATCH // shares
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    start = 0
-    if checkpoint is not None and not checkpoint.isdigit():  # resume
-        saved = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
-        dcp.load(saved, checkpoint_id=str(Path(checkpoint, "dcp")))
-        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
-        hf_fp8.load_fp8_state(model, checkpoint)
-        start = json.loads(Path(checkpoint, "step.json").read_text())["step"]
     records = []
-    for step in range(start, steps):
-        ids = tm.batch_for("llama", 32, batch_size=4, seed=100 + step)["input_ids"]
+    for step in range(steps):
+        ids = tm.batch_for("llama", 32, batch_size=GLOBAL_BATCH, seed=100 + step)["input_ids"]
+        ids = ids[share * rows : (share + 1) * rows]
+        whole = {kind: whole_amax(model.get_submodule(name).weight) for kind, name in LAYERS.items()}
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         layers = {kind: fp8_state(model.get_submodule(name)) for kind, name in LAYERS.items()}
-        records.append({"step": step, "loss": loss.item(), **layers})
-        if checkpoint == str(step + 1):
-            save(model, optimizer, step + 1)
+        records.append({"step": step, "loss": loss.item(), "whole_weight_amax": whole, **layers})
     try:
         hf_fp8.unpatch_model(model)
         unpatched = None
     except ValueError as err:
         unpatched = str(err)
     return {
+        "share": share,
+        "shares": shares,
         "converted": len(report.converted_gemms),
+        "kept": {r.name: r.reason for r in report.records if r.action != "converted"},
         "notes": report.notes,
         "steps": records,
         "unpatch": unpatched,
     }
-
-
-def save(model, optimizer, step: int) -> None:
-    folder = Path(OUT, "checkpoint")
-    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
-    dcp.save(state, checkpoint_id=str(folder / "dcp"))
-    if dist.get_rank() == 0:  # the FP8 state is the same on every rank: written once
-        hf_fp8.save_fp8_state(model, folder)
-        (folder / "step.json").write_text(json.dumps({"step": step}))
-    dist.barrier()
 
 
 def refuse_sharded(model) -> dict:
@@ -87,7 +99,7 @@ def refuse_sharded(model) -> dict:
         fully_shard(layer)
     fully_shard(model)
     try:
-        hf_fp8.patch_model(model, "hybrid-delayed", backend="native")
+        hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
         refusal = None
     except ValueError as err:
         refusal = str(err)
@@ -100,18 +112,14 @@ def refuse_sharded(model) -> dict:
     }
 
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-
-
 def main() -> None:
     out, model_dir, layout, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    checkpoint = sys.argv[5] if len(sys.argv) > 5 else None
     distributed = layout != "single"
     if distributed:
         dist.init_process_group("gloo")
-    plan = {"distributed_config": DistributedConfig(tp_plan="auto")} if layout == "tp" else {}
+    plan = {"distributed_config": DistributedConfig(**LAYOUTS[layout])} if layout in LAYOUTS else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **plan).train()
-    result = refuse_sharded(model) if layout == "fsdp" else train(model, steps, checkpoint)
+    result = refuse_sharded(model) if layout == "fsdp-all-gather" else train(model, layout, steps)
     rank = dist.get_rank() if distributed else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     if distributed:

@@ -1,6 +1,10 @@
-"""FP8 under transformers' tensor parallelism (``tp_plan="auto"``), checked with two real processes on
-the CPU (gloo) against one process; and the refusal of a model that ``fully_shard`` sharded before
-``patch_model``."""
+"""FP8 under transformers' N-D parallelism, the layouts ``DistributedConfig`` builds while it loads:
+tensor parallelism (two ranks), FSDP2 x TP and HSDP (four ranks), each checked with real gloo processes
+on the CPU against one process; a two-node launch (``hf-fp8 launch`` with examples/two_nodes.yaml, two
+node ranks on one host) of examples/nd_parallel.py that a one-node run resumes exactly; and the refusal
+of what a model sharded before patching cannot honour."""
+
+from __future__ import annotations
 
 import json
 import sys
@@ -8,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import tiny_models as tm
-from launcher import TP_WORKER, ranks, run
+from launcher import HF_FP8, REPO, TP_WORKER, free_port, ranks, run
 
 STEPS = 5
+LAYOUTS = {"tp": 2, "fsdp-tp": 4, "hsdp": 4}  # and their number of ranks
+EXAMPLE = REPO / "examples" / "nd_parallel.py"
 
 
 def load(folder: Path, rank: int) -> dict:
@@ -26,71 +32,96 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir) -> dict:
-    """Five FP8 steps with every decoder layer sharded over two ranks, a checkpoint after the third, and
-    two more resumed from it; and the five steps in one process."""
-    folders = {n: tmp_path_factory.mktemp(n) for n in ("tp", "resumed", "single")}
-
-    def on_two_ranks(folder: Path, *extra: str) -> None:
-        options = [str(folder), str(model_dir), "tp", str(STEPS), *extra]
-        run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], folder / "log")
-
-    on_two_ranks(folders["tp"], "3")
-    on_two_ranks(folders["resumed"], str(folders["tp"] / "checkpoint"))
+    """Five FP8 steps under each layout, and in one process."""
+    folders = {n: tmp_path_factory.mktemp(n) for n in (*LAYOUTS, "single")}
+    for layout, world in LAYOUTS.items():
+        options = [str(folders[layout]), str(model_dir), layout, str(STEPS)]
+        run([([*cmd, *options], env) for cmd, env in ranks(world, TP_WORKER)], folders[layout] / "log")
     single = [sys.executable, str(TP_WORKER), str(folders["single"]), str(model_dir), "single", str(STEPS)]
     run([(single, {})], folders["single"] / "log")
-    return {
-        "ranks": [load(folders["tp"], 0), load(folders["tp"], 1)],
-        "resumed": [load(folders["resumed"], 0), load(folders["resumed"], 1)],
-        "single": load(folders["single"], 0),
-    }
+    results = {layout: [load(folders[layout], r) for r in range(world)] for layout, world in LAYOUTS.items()}
+    return {**results, "single": load(folders["single"], 0)}
 
 
-def test_every_projection_converts_and_keeps_its_layout(runs):
-    for result in runs["ranks"]:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_projection_converts_and_the_report_names_the_layout(runs, layout):
+    for result in runs[layout]:
         assert result["converted"] == runs["single"]["converted"] == 14
-        assert any("tensor parallelism" in note for note in result["notes"])
+        notes = " ".join(result["notes"])
+        assert ("tensor parallelism" in notes) == (layout != "hsdp"), notes
+        assert ("FSDP2 sharded the model before patching" in notes) == (layout != "tp"), notes
 
 
-def test_the_ranks_share_one_fp8_state_and_train_as_one_process(runs):
-    """Column-wise (q_proj) and row-wise (down_proj) layers hold the same scales and amaxes on both
-    ranks every step; the loss is the one-process loss within FP8's rounding (the first step scales a
-    sharded tensor by this rank's own amax), and from the second step on the weights' amaxes are the
-    whole weights'."""
-    rank0, rank1 = (r["steps"] for r in runs["ranks"])
-    single = runs["single"]["steps"]
-    for a, b, one in zip(rank0, rank1, single, strict=True):
-        assert a["loss"] == b["loss"] and a["loss"] == pytest.approx(one["loss"], rel=5e-3), a["step"]
+def test_an_fsdp2_unit_of_its_own_stays_in_high_precision_and_says_why(runs):
+    """Under HSDP the output head is sharded as a unit of its own (transformers' fsdp_plan): asked to
+    convert it (convert_lm_head), patch_model keeps it and says why."""
+    for result in runs["hsdp"]:
+        assert "FSDP2 unit of its own" in result["kept"]["lm_head"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_ranks_share_one_fp8_state_and_train_as_one_process(runs, layout):
+    """Column-wise (q_proj) and row-wise (down_proj) layers hold the same scales and amaxes on every rank
+    every step, and the weight amax they record is the whole weight's, not a shard's (each step's end
+    reduces the amaxes over the ranks); the mean loss of the data shares is the one-process loss within
+    FP8's rounding (the first step scales a sharded tensor by this rank's own amax)."""
+    results = runs[layout]
+    shares = {r["share"]: r for r in results}
+    assert len(shares) == results[0]["shares"] == len(results) // (1 if layout == "hsdp" else 2)
+    for step, one in enumerate(runs["single"]["steps"]):
+        records = [r["steps"][step] for r in results]
+        mean = sum(r["steps"][step]["loss"] for r in shares.values()) / len(shares)
+        assert mean == pytest.approx(one["loss"], rel=5e-3), step
         for kind in ("colwise", "rowwise"):
-            assert a[kind] == b[kind], (a["step"], kind)
-            assert all(amax > 0 for amax in a[kind]["amax"]), "the FP8 casts ran and were recorded"
-            weight_amax, reference = a[kind]["amax"][1], one[kind]["amax"][1]
-            assert weight_amax == pytest.approx(reference, rel=1e-3), (a["step"], kind)
+            assert all(r[kind] == records[0][kind] for r in records), (step, kind)
+            assert all(amax > 0 for amax in records[0][kind]["amax"]), "the FP8 casts ran and were recorded"
+            weight_amax = records[0][kind]["amax"][1]
+            assert weight_amax == pytest.approx(records[0]["whole_weight_amax"][kind], rel=1e-6), (step, kind)
 
 
-def test_a_model_sharded_by_fully_shard_first_is_refused_and_left_working(model_dir, tmp_path):
-    """A model that fully_shard wrapped already: patch_model refuses before changing anything, says
-    what to do, and the sharded model still runs."""
-    options = [str(tmp_path), str(model_dir), "fsdp", "0"]
+def test_unpatching_a_sharded_model_is_refused_with_the_reason(runs):
+    """Its FP8 layers carry the layout; a plain model comes from its state_dict instead. One process
+    unpatches as usual."""
+    for layout in LAYOUTS:
+        for result in runs[layout]:
+            assert "sharded" in result["unpatch"] and "state_dict" in result["unpatch"], layout
+    assert runs["single"]["unpatch"] is None
+
+
+def test_what_a_model_sharded_first_cannot_honour_is_refused_and_the_model_left_working(model_dir, tmp_path):
+    """A model that fully_shard wrapped already cannot all-gather its weights in FP8 (fsdp-fp8): patch_model
+    refuses before changing anything, says what to do, and the sharded model still runs."""
+    options = [str(tmp_path), str(model_dir), "fsdp-all-gather", "0"]
     run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], tmp_path / "log")
     for rank in (0, 1):
         result = load(tmp_path, rank)
-        assert (
-            "is already sharded by FSDP2" in result["refusal"]
-            and "Patch before sharding" in result["refusal"]
-        )
+        assert "fp8_all_gather" in result["refusal"] and "Patch before sharding" in result["refusal"]
         assert result["fp8_modules"] == 0 and result["loss_is_finite"]
 
 
-def test_resuming_a_tensor_parallel_checkpoint_gives_the_uninterrupted_run(runs):
-    for rank in (0, 1):
-        uninterrupted, resumed = runs["ranks"][rank]["steps"][3:], runs["resumed"][rank]["steps"]
-        assert [r["step"] for r in resumed] == [3, 4]
-        assert resumed == uninterrupted
+def example_losses(log: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"step"')]
+    return {line["step"]: line["loss"] for line in lines}
 
 
-def test_unpatching_a_tensor_parallel_model_is_refused_with_the_reason(runs):
-    """Its FP8 layers carry the layout's forward; a plain model comes from its state_dict instead. One
-    process unpatches as usual."""
-    for result in runs["ranks"]:
-        assert "tensor parallelism" in result["unpatch"] and "state_dict" in result["unpatch"]
-    assert runs["single"]["unpatch"] is None
+def test_a_two_node_launch_trains_and_a_one_node_run_resumes_it_exactly(model_dir, tmp_path):
+    """examples/nd_parallel.py, FSDP2 x TP (2 x 2), started by hf-fp8 launch with examples/two_nodes.yaml
+    as two node ranks of two processes on one host, saves after step 2; the same script started as four
+    ranks of one node resumes from that checkpoint and trains steps 2 and 3 to the same losses."""
+    checkpoint = tmp_path / "checkpoint"
+    script = [str(EXAMPLE), str(model_dir), "--fsdp", "2", "--tp", "2", "--steps", "4", "--seq-len", "32"]
+    config = str(REPO / "examples" / "two_nodes.yaml")
+    launch = [str(HF_FP8), "launch", "--config_file", config, "--num_processes", "4"]
+    rendezvous = ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+    saving = [*script, "--lr", "1e-3", "--save-at", "2", "--out", str(checkpoint)]
+    nodes = [
+        ([*launch, "--machine_rank", str(node), *rendezvous, "--recipe", "hybrid-delayed", *saving], {})
+        for node in (0, 1)
+    ]
+    run(nodes, tmp_path / "two-nodes.log")
+    resumed = [*script, "--lr", "1e-3", "--resume-from", str(checkpoint)]
+    run([([cmd[0], *resumed], env) for cmd, env in ranks(4)], tmp_path / "one-node.log")
+    two_nodes = example_losses(tmp_path / "two-nodes.log")
+    one_node = example_losses(tmp_path / "one-node.log")
+    assert sorted(two_nodes) == [0, 1, 2, 3] and sorted(one_node) == [2, 3]
+    assert all(one_node[step] == two_nodes[step] for step in (2, 3)), (one_node, two_nodes)
