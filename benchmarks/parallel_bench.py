@@ -2,19 +2,21 @@
 tensor parallelism, FSDP2 x TP).
 
     torchrun --nproc_per_node N benchmarks/parallel_bench.py --layout {fsdp,hsdp,tp,fsdp-tp}
-        [--shape 8b] [--layers L] [--modes bf16,hf-fp8] [--compile] [--resume-check K]
+        [--shape 8b] [--layers L] [--modes bf16,hf-fp8,hf-fp8-backward] [--compile] [--resume-check K]
 
 Each mode loads the same Llama-shaped model in BF16 from its config (random weights) through
 ``from_pretrained(None, config=..., state_dict={}, distributed_config=DistributedConfig(...))``:
-transformers applies its tensor-parallel plan and FSDP2 while it loads, and ``hf-fp8`` patches the
-sharded model afterwards (native backend, the default recipe for weights built from a config). Each
-data-parallel group trains on its own 4 x 2048 tokens (the ranks of a tensor-parallel group on the same
-ones) with fused AdamW. Rank 0 prints a JSON line per mode and a table: tokens/s per GPU, the ratio to
-BF16, peak memory per GPU, the bytes each GPU receives per step by FSDP2's all-gathers and by the
-decoder layers' tensor-parallel all-reduces (counted from the shapes, not sniffed), and whether every
-rank holds the same FP8 state. ``--resume-check K`` then saves a checkpoint (DCP for the sharded model
-and optimizer, ``save_fp8_state`` for the FP8 state), trains K steps, loads it and trains the same K
-steps again: the same losses and FP8 state both times mean the checkpoint resumes exactly.
+transformers applies its tensor-parallel plan and FSDP2 while it loads, and hf-fp8 patches the sharded
+model afterwards (native backend; ``hf-fp8``: ``hybrid-delayed``, FP8 forwards and backwards;
+``hf-fp8-backward``: ``backward-fp8``, FP8 backward GEMMs only, the default for weights loaded from a
+checkpoint). Each data-parallel group trains on its own 4 x 2048 tokens (the ranks of a
+tensor-parallel group on the same ones) with AdamW (fused where the parameters are of one kind). Rank 0
+prints a JSON line per mode and a table: tokens/s per GPU, the ratio to BF16, peak memory per GPU, the
+bytes each GPU receives per step by FSDP2's all-gathers and by the decoder layers' tensor-parallel
+all-reduces (counted from the shapes, not sniffed), and whether every rank holds the same FP8 state.
+``--resume-check K`` then saves a checkpoint (DCP for the sharded model and optimizer,
+``save_fp8_state`` for the FP8 state), trains K steps, loads it and trains the same K steps again: the
+same losses and FP8 state both times mean the checkpoint resumes exactly.
 
 ``--device cpu --shape tiny`` runs it with gloo as a smoke test of the script.
 """
@@ -46,7 +48,10 @@ from transformers import DistributedConfig, LlamaForCausalLM
 
 import hf_fp8
 
-MODES = ("bf16", "hf-fp8")
+# hf-fp8: FP8 forwards and backwards (pretraining's default); hf-fp8-backward: FP8 backward GEMMs only
+# (fine-tuning's default, for weights from a checkpoint)
+RECIPES = {"hf-fp8": "hybrid-delayed", "hf-fp8-backward": "backward-fp8"}
+MODES = ("bf16", *RECIPES)
 # DistributedConfig for a world of N ranks (transformers' mesh puts tensor parallelism last)
 LAYOUTS = {
     "fsdp": lambda world: dict(fsdp_size=world),
@@ -111,10 +116,13 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     model = load(args, world)
     tp_size = model.config.distributed_config.tp_size or 1
     if mode != "bf16":
-        hf_fp8.patch_model(model, backend="native")
+        hf_fp8.patch_model(model, RECIPES[mode], backend="native")
     if args.compile:
         hf_fp8.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    params = list(model.parameters())
+    # fused AdamW takes one kind of tensor: not the DTensors and plain tensors of a TP-only model
+    fused = args.device == "cuda" and len({type(p) for p in params}) == 1
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused)
     share, shares = rank // tp_size, world // tp_size  # the ranks of a tensor-parallel group: one share
     generator = torch.Generator(device=args.device)
     vocab = model.config.vocab_size

@@ -2,10 +2,10 @@
 or several.
 
     # one node, 4 GPUs: FSDP2 over 2 x tensor parallelism over 2
-    hf-fp8 launch --multi_gpu --num_processes 4 examples/nd_parallel.py MODEL --fsdp 2 --tp 2
+    hf-fp8 launch --num_processes 4 --recipe backward-fp8 examples/nd_parallel.py MODEL --fsdp 2 --tp 2
     # two nodes of 4 GPUs, HSDP: a replica a node, sharded over its GPUs (run on each node, its rank)
     hf-fp8 launch --config_file examples/two_nodes.yaml --machine_rank 0 --main_process_ip HOST \\
-        examples/nd_parallel.py MODEL --replicate 2 --fsdp 4
+        --recipe backward-fp8 examples/nd_parallel.py MODEL --replicate 2 --fsdp 4
 
 transformers shards the model while it loads (``DistributedConfig``: its tensor-parallel plan, then
 FSDP2 over the data-parallel ranks); ``patch_model`` converts the sharded model, and every rank keeps
@@ -44,7 +44,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4, help="rows a data-parallel group trains on")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--recipe", default="hybrid-delayed", help="when not started by hf-fp8 launch")
+    parser.add_argument(
+        "--recipe",
+        help="when not started by hf-fp8 launch (default: patch_model's for a checkpoint, backward-fp8)",
+    )
     parser.add_argument("--save-at", type=int, help="write a checkpoint into --out after this step")
     parser.add_argument("--out", type=Path, default=Path("nd-checkpoint"))
     parser.add_argument("--resume-from", type=Path, help="a checkpoint written by --save-at")
@@ -89,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    recipe = None if hf_fp8.Fp8Recipe.launched() else args.recipe  # patch_model reads the launcher's
     model = load(args)
-    report = hf_fp8.patch_model(model, recipe, backend="native")
+    report = hf_fp8.patch_model(model, args.recipe, backend="native")  # None: the launcher's, or the default
     if torch.cuda.is_available():
         hf_fp8.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -119,7 +119,7 @@ def test_a_two_node_launch_trains_and_a_one_node_run_resumes_it_exactly(model_di
         for node in (0, 1)
     ]
     run(nodes, tmp_path / "two-nodes.log")
-    resumed = [*script, "--lr", "1e-3", "--resume-from", str(checkpoint)]
+    resumed = [*script, "--lr", "1e-3", "--recipe", "hybrid-delayed", "--resume-from", str(checkpoint)]
     run([([cmd[0], *resumed], env) for cmd, env in ranks(4)], tmp_path / "one-node.log")
     two_nodes = example_losses(tmp_path / "two-nodes.log")
     one_node = example_losses(tmp_path / "one-node.log")
