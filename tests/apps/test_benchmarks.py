@@ -72,6 +72,11 @@ ZERO = (
     "--device", "cpu", "--shape", "tiny", "--layers", "2", "--batch", "2", "--seq", "32", "--stage", "3",
     "--modes", "bf16,hf-fp8", *TIMING,
 )  # fmt: skip
+PARALLEL = (
+    "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "parallel_bench.py",
+    "--layout", "tp", "--device", "cpu", "--shape", "tiny", "--batch", "2", "--seq", "32",
+    "--modes", "bf16,hf-fp8", "--resume-check", "1", *TIMING,
+)  # fmt: skip
 LONG_RUNS = {  # the runs of 5 s and more, by name, in the order they start (the longest first)
     "compare": Run(
         "test_compare_runs_each_row_in_its_own_process_and_prints_one_table",
@@ -83,6 +88,7 @@ LONG_RUNS = {  # the runs of 5 s and more, by name, in the order they start (the
     ),
     "fsdp": Run("test_fsdp_bench_runs_on_two_gloo_ranks", FSDP),
     "zero": Run("test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state", ZERO),
+    "parallel": Run("test_parallel_bench_runs_under_tensor_parallelism_and_resumes_exactly", PARALLEL),
     "moe": Run("test_moe_bench_runs", MOE),
     "compare shapes": Run(
         "test_compare_prints_a_table_for_each_shape_it_is_given",
@@ -173,6 +179,14 @@ def test_zero_bench_runs_under_zero3_on_two_gloo_ranks_with_one_fp8_state(runs):
     assert [(r["mode"], r["stage"], r["layers"]) for r in results] == [("bf16", 3, 2), ("hf-fp8", 3, 2)], out
     assert results[1]["same_fp8_state_on_every_rank"]
     assert set(table_rows(out)) == {"bf16", "hf-fp8"}, out
+
+
+def test_parallel_bench_runs_under_tensor_parallelism_and_resumes_exactly(runs):
+    out = runs.output("parallel")
+    results = {r["mode"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert set(results) == {"bf16", "hf-fp8"} == set(table_rows(out)), out
+    assert results["hf-fp8"]["one_fp8_state"] and results["bf16"]["one_fp8_state"] is None
+    assert all(r["resumes_exactly"] and r["tp_all_reduce_mib_per_gpu"] > 0 for r in results.values())
 
 
 def test_cpu_bench_times_every_call_and_every_recipe_against_float32():
