@@ -6,8 +6,9 @@ transformers sharded as it loaded (gloo on the CPU), or in one process as the re
 
 LAYOUT is ``single``, one of ``LAYOUTS`` below (transformers' ``DistributedConfig``: ``tp``, tensor
 parallelism over every rank; ``fsdp-tp``, FSDP2 x TP, 2 x 2; ``hsdp``, two replicas of two FSDP2
-shards, patched with the output head converted too), or ``fsdp-all-gather`` (``fully_shard`` first, then
-the recipe ``fsdp-fp8``). The ranks of one tensor-parallel group train on the same rows, each
+shards, patched with the output head converted too), ``trainer`` (FSDP2 over every rank, trained by
+the Trainer with ``Fp8TrainerCallback``) or ``fsdp-all-gather`` (``fully_shard`` first, then the recipe
+``fsdp-fp8``). The ranks of one tensor-parallel group train on the same rows, each
 data-parallel group on its share of the global batch. Writes OUT_DIR/rank{R}.json: this rank's data
 share, the patch report, per step the loss and the FP8 state of a column-wise (``q_proj``) and a
 row-wise (``down_proj``) layer with the amax of its whole weight as the step began, and what
@@ -37,6 +38,7 @@ LAYOUTS = {
     "tp": dict(tp_plan="auto"),
     "fsdp-tp": dict(tp_size=2, fsdp_size=2),
     "hsdp": dict(dp_replicate_size=2, fsdp_size=2),
+    "trainer": dict(fsdp_size=2),
 }
 
 
@@ -94,6 +96,32 @@ def train(model, layout: str, steps: int) -> dict:
     }
 
 
+def train_with_the_trainer(model, out: str, steps: int) -> dict:
+    """The Trainer with the callback on a model transformers sharded: each rank's own rows."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        str(Path(out, "trainer")),
+        use_cpu=True,
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+    )
+    ids = tm.batch_for("llama", 32, batch_size=2 * steps * dist.get_world_size(), seed=7)["input_ids"]
+    callback = hf_fp8.Fp8TrainerCallback("hybrid-delayed")
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": i, "labels": i} for i in ids])
+    trainer.add_callback(callback)
+    trainer.train()
+    return {
+        "notes": callback.report.notes,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        **{kind: fp8_state(model.get_submodule(name)) for kind, name in LAYERS.items()},
+    }
+
+
 def refuse_sharded(model) -> dict:
     for layer in model.model.layers:
         fully_shard(layer)
@@ -119,7 +147,12 @@ def main() -> None:
         dist.init_process_group("gloo")
     plan = {"distributed_config": DistributedConfig(**LAYOUTS[layout])} if layout in LAYOUTS else {}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **plan).train()
-    result = refuse_sharded(model) if layout == "fsdp-all-gather" else train(model, layout, steps)
+    if layout == "fsdp-all-gather":
+        result = refuse_sharded(model)
+    elif layout == "trainer":
+        result = train_with_the_trainer(model, out, steps)
+    else:
+        result = train(model, layout, steps)
     rank = dist.get_rank() if distributed else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     if distributed:

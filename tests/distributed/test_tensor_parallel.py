@@ -99,6 +99,20 @@ def test_what_a_model_sharded_first_cannot_honour_is_refused_and_the_model_left_
         assert result["fp8_modules"] == 0 and result["loss_is_finite"]
 
 
+def test_the_trainer_callback_patches_a_model_transformers_sharded(model_dir, tmp_path):
+    """The Trainer with Fp8TrainerCallback on a model FSDP2 sharded as it loaded (two gloo ranks): the
+    callback patches it, every step ends (amaxes of the forward and the backward recorded) and both ranks
+    hold one FP8 state."""
+    options = [str(tmp_path), str(model_dir), "trainer", "3"]
+    run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], tmp_path / "log")
+    results = [load(tmp_path, rank) for rank in (0, 1)]
+    for result in results:
+        assert any("FSDP2 sharded the model before patching" in note for note in result["notes"])
+        assert len(result["losses"]) == 3
+        for kind in ("colwise", "rowwise"):
+            assert result[kind] == results[0][kind] and all(a > 0 for a in result[kind]["amax"]), kind
+
+
 def example_losses(log: Path) -> dict[int, float]:
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"step"')]
     return {line["step"]: line["loss"] for line in lines}
