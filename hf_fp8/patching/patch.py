@@ -124,7 +124,7 @@ def patch_model(
     units = sharding.units if sharding is not None else set()
     if layouts:
         planned = _walk(model, chosen, convert=False, module_filter_fn=module_filter_fn, units=units)[0]
-        check_layouts(layouts, [r.name for r in planned.converted], chosen.name)
+        check_layouts(layouts, [r.name for r in planned.converted], chosen.name, recipe)
     fusing = fuse and module_filter_fn is None
     report, replaced, handles = _walk(model, chosen, True, fusing, module_filter_fn, units)
     swaps = [(r.original, get_path(model, r.path)) for r in replaced]

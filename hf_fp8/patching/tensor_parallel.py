@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.recipe import Fp8Recipe
+
 __all__ = ["TensorParallelLayout", "check_layouts", "install_layouts", "tensor_parallel_layouts"]
 
 _SUPPORTED = ("ColwiseParallel", "RowwiseParallel")
@@ -90,13 +92,21 @@ def _tensor_parallel_mesh(mesh: Any) -> Any:
     return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
-def check_layouts(layouts: dict[str, TensorParallelLayout], converted: list[str], backend: str) -> None:
+def check_layouts(
+    layouts: dict[str, TensorParallelLayout], converted: list[str], backend: str, recipe: Fp8Recipe
+) -> None:
     """Raise, before anything changes, where a layer that would convert has a layout FP8 cannot keep."""
     sharded = [name for name in converted if name in layouts]
     if sharded and backend != "native":
         raise ValueError(
             f"patch_model: {sharded[0]} is sharded by tensor parallelism, which the {backend} backend does "
             "not handle: use backend='native'"
+        )
+    if sharded and recipe.fp8_all_gather:
+        raise ValueError(
+            f"patch_model: {sharded[0]} is sharded by tensor parallelism, and fp8_all_gather casts weights "
+            "for FSDP2's all-gather, which a tensor-parallel layer's weight never takes (each rank keeps "
+            "its shard): use a recipe without it (hybrid-delayed, backward-fp8)"
         )
     for name in sharded:
         if not layouts[name].supported:

@@ -1,15 +1,15 @@
 """A worker of tests/distributed/test_tensor_parallel.py: FP8 training of a tiny Llama that
 transformers sharded as it loaded (gloo on the CPU), or in one process as the reference; or
-``patch_model`` on a model that ``fully_shard`` sharded first, with a recipe that cannot be honoured there.
+``patch_model`` asked what a sharded model cannot honour.
 
     python dist_tp_worker.py OUT_DIR MODEL_DIR LAYOUT STEPS
 
 LAYOUT is ``single``, one of ``LAYOUTS`` below (transformers' ``DistributedConfig``: ``tp``, tensor
 parallelism over every rank; ``fsdp-tp``, FSDP2 x TP, 2 x 2; ``hsdp``, two replicas of two FSDP2
 shards, patched with the output head converted too), ``trainer`` (FSDP2 over every rank, trained by
-the Trainer with ``Fp8TrainerCallback``) or ``fsdp-all-gather`` (``fully_shard`` first, then the recipe
-``fsdp-fp8``). The ranks of one tensor-parallel group train on the same rows, each
-data-parallel group on its share of the global batch. Writes OUT_DIR/rank{R}.json: this rank's data
+the Trainer with ``Fp8TrainerCallback``) or ``refusals`` (``fsdp-fp8`` asked of a model ``fully_shard``
+sharded first and of a tensor-parallel one). The ranks of one tensor-parallel group train on the same
+rows, each data-parallel group on its share of the global batch. Writes OUT_DIR/rank{R}.json: this rank's data
 share, the patch report, per step the loss and the FP8 state of a column-wise (``q_proj``) and a
 row-wise (``down_proj``) layer with the amax of its whole weight as the step began, and what
 ``unpatch_model`` said; or the refusal and whether the model still runs.
@@ -122,22 +122,30 @@ def train_with_the_trainer(model, out: str, steps: int) -> dict:
     }
 
 
-def refuse_sharded(model) -> dict:
-    for layer in model.model.layers:
+def refusals(model_dir: str) -> dict:
+    """``fsdp-fp8`` (weights all-gathered in FP8) asked of a model ``fully_shard`` sharded first and of one
+    transformers sharded by tensor parallelism: each refusal, and whether the model still runs."""
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    for layer in plain.model.layers:
         fully_shard(layer)
-    fully_shard(model)
-    try:
-        hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
-        refusal = None
-    except ValueError as err:
-        refusal = str(err)
-    ids = tm.batch_for("llama", 16, batch_size=2, seed=0)["input_ids"]
-    loss = model(input_ids=ids, labels=ids).loss
-    return {
-        "refusal": refusal,
-        "fp8_modules": sum(isinstance(m, hf_fp8.Fp8Module) for m in model.modules()),
-        "loss_is_finite": bool(torch.isfinite(loss)),
-    }
+    fully_shard(plain)
+    layout = {"distributed_config": DistributedConfig(**LAYOUTS["tp"])}
+    tensor_parallel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **layout)
+    results = {}
+    for name, model in (("fully_shard", plain), ("tp", tensor_parallel.train())):
+        try:
+            hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
+            refusal = None
+        except ValueError as err:
+            refusal = str(err)
+        ids = tm.batch_for("llama", 16, batch_size=2, seed=0)["input_ids"]
+        loss = model(input_ids=ids, labels=ids).loss
+        results[name] = {
+            "refusal": refusal,
+            "fp8_modules": sum(isinstance(m, hf_fp8.Fp8Module) for m in model.modules()),
+            "loss_is_finite": bool(torch.isfinite(loss)),
+        }
+    return results
 
 
 def main() -> None:
@@ -145,14 +153,15 @@ def main() -> None:
     distributed = layout != "single"
     if distributed:
         dist.init_process_group("gloo")
-    plan = {"distributed_config": DistributedConfig(**LAYOUTS[layout])} if layout in LAYOUTS else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **plan).train()
-    if layout == "fsdp-all-gather":
-        result = refuse_sharded(model)
-    elif layout == "trainer":
-        result = train_with_the_trainer(model, out, steps)
+    if layout == "refusals":
+        result = refusals(model_dir)
     else:
-        result = train(model, layout, steps)
+        plan = {"distributed_config": DistributedConfig(**LAYOUTS[layout])} if layout in LAYOUTS else {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **plan).train()
+        if layout == "trainer":
+            result = train_with_the_trainer(model, out, steps)
+        else:
+            result = train(model, layout, steps)
     rank = dist.get_rank() if distributed else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     if distributed:

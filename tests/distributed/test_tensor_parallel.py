@@ -88,15 +88,18 @@ def test_unpatching_a_sharded_model_is_refused_with_the_reason(runs):
     assert runs["single"]["unpatch"] is None
 
 
-def test_what_a_model_sharded_first_cannot_honour_is_refused_and_the_model_left_working(model_dir, tmp_path):
-    """A model that fully_shard wrapped already cannot all-gather its weights in FP8 (fsdp-fp8): patch_model
-    refuses before changing anything, says what to do, and the sharded model still runs."""
-    options = [str(tmp_path), str(model_dir), "fsdp-all-gather", "0"]
+def test_what_a_sharded_model_cannot_honour_is_refused_and_the_model_left_working(model_dir, tmp_path):
+    """Weights all-gathered in FP8 (fsdp-fp8) asked of a model that fully_shard wrapped already (they must
+    be FP8 before sharding) and of a tensor-parallel one (its weights are never all-gathered): patch_model
+    refuses before changing anything, says what to do, and the model still runs."""
+    options = [str(tmp_path), str(model_dir), "refusals", "0"]
     run([([*cmd, *options], env) for cmd, env in ranks(2, TP_WORKER)], tmp_path / "log")
     for rank in (0, 1):
         result = load(tmp_path, rank)
-        assert "fp8_all_gather" in result["refusal"] and "Patch before sharding" in result["refusal"]
-        assert result["fp8_modules"] == 0 and result["loss_is_finite"]
+        sharded_first, tensor_parallel = result["fully_shard"]["refusal"], result["tp"]["refusal"]
+        assert "fp8_all_gather" in sharded_first and "Patch before sharding" in sharded_first
+        assert "tensor parallelism" in tensor_parallel and "fp8_all_gather" in tensor_parallel
+        assert all(r["fp8_modules"] == 0 and r["loss_is_finite"] for r in result.values())
 
 
 def test_the_trainer_callback_patches_a_model_transformers_sharded(model_dir, tmp_path):
