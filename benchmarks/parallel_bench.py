@@ -12,8 +12,9 @@ model afterwards (native backend; ``hf-fp8``: ``hybrid-delayed``, FP8 forwards a
 checkpoint). Each data-parallel group trains on its own 4 x 2048 tokens (the ranks of a
 tensor-parallel group on the same ones) with AdamW (fused where the parameters are of one kind). Rank 0
 prints a JSON line per mode and a table: tokens/s per GPU, the ratio to BF16, peak memory per GPU, the
-bytes each GPU receives per step by FSDP2's all-gathers and by the decoder layers' tensor-parallel
-all-reduces (counted from the shapes, not sniffed), and whether every rank holds the same FP8 state.
+size of what each GPU all-gathers (FSDP2) and all-reduces (the decoder layers' tensor parallelism) a
+step, counted from the shapes (the tensors' bytes, not the wire's), and whether every rank holds the
+same FP8 state.
 ``--resume-check K`` then saves a checkpoint (DCP for the sharded model and optimizer,
 ``save_fp8_state`` for the FP8 state), trains K steps, loads it and trains the same K steps again: the
 same losses and FP8 state both times mean the checkpoint resumes exactly.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -68,7 +70,9 @@ TITLES = [
     "one FP8 state",
     "loss",
 ]
-TP_ALL_REDUCES_PER_LAYER = 4  # after o_proj and down_proj, and their colwise inputs' gradients
+# transformers' TP in a Llama layer: the row-wise outputs (o_proj, down_proj) in the forward, and each
+# column-wise layer's input gradient (q, k, v, gate, up) in the backward, activation-sized
+TP_ALL_REDUCES_PER_LAYER = 7
 
 
 def load(args: argparse.Namespace, world: int) -> LlamaForCausalLM:
@@ -98,8 +102,8 @@ def same_on_every_rank(value: object) -> bool:
 
 
 def all_gather_bytes_per_gpu(model: torch.nn.Module, tp_size: int) -> int:
-    """Bytes one GPU receives per step by FSDP2's all-gathers: each parameter it shards (its
-    tensor-parallel part) gathered for the forward and again for the backward."""
+    """The bytes one GPU all-gathers a step by FSDP2: each parameter it shards (its tensor-parallel
+    part), gathered for the forward and again for the backward."""
     total = 0
     for param in model.parameters():
         names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else ()
@@ -211,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=tempfile.gettempdir(), help="where --resume-check saves")
     args = parser.parse_args(argv)
     modes = chosen_modes(parser, args.modes, MODES)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.layout in ("hsdp", "fsdp-tp") and (world < 4 or world % 2):
+        parser.error(f"--layout {args.layout} splits the ranks 2 x N: start 4, 6, 8, ... (got {world})")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
     if args.device == "cuda":

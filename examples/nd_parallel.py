@@ -13,7 +13,7 @@ the same FP8 state (amaxes reduced over all ranks once a step). The ranks of a t
 train on the same batch, each data-parallel group on its own (random tokens here: bring your own data).
 ``--save-at N`` writes a checkpoint after step N (DCP for the sharded weights and the optimizer, the FP8
 state beside them); ``--resume-from`` continues from one, with any number of nodes that gives the same
-layout. Rank 0 prints each step's loss as a JSON line.
+layout. Rank 0 prints the loss of its rows each step as a JSON line.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument(
         "--recipe",
-        help="when not started by hf-fp8 launch (default: patch_model's for a checkpoint, backward-fp8)",
+        help="FP8 recipe; default: hf-fp8 launch's, else patch_model's for a checkpoint (backward-fp8)",
     )
     parser.add_argument("--save-at", type=int, help="write a checkpoint into --out after this step")
     parser.add_argument("--out", type=Path, default=Path("nd-checkpoint"))
@@ -60,11 +60,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load(args: argparse.Namespace):
+    """The model in float32 (the optimizer's master weights), sharded by transformers as it loads; FSDP2
+    gathers its weights in bf16 on a GPU, where the forward runs under bf16 autocast."""
     from transformers import AutoModelForCausalLM, DistributedConfig
 
-    layout = DistributedConfig(dp_replicate_size=args.replicate, fsdp_size=args.fsdp, tp_size=args.tp)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, distributed_config=layout).train()
+    layout = DistributedConfig(
+        dp_replicate_size=args.replicate,
+        fsdp_size=args.fsdp,
+        tp_size=args.tp,
+        fsdp_mixed_precision=torch.cuda.is_available() and args.replicate * args.fsdp > 1,
+    )
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, distributed_config=layout)
 
 
 def save(model, optimizer, step: int, folder: Path) -> None:
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    model = load(args)
+    model = load(args).train()
     report = hf_fp8.patch_model(model, args.recipe, backend="native")  # None: the launcher's, or the default
     if torch.cuda.is_available():
         hf_fp8.compile(model)
@@ -103,15 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"fp8_layers": len(report.converted_gemms), "notes": report.notes}), flush=True)
     data_group = rank // args.tp  # the ranks of a tensor-parallel group see the same rows
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
     for step in range(start, args.steps):
         generator = torch.Generator().manual_seed(1000 * step + data_group)
         shape = (args.batch_size, args.seq_len)
         ids = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if rank == 0:
+        if rank == 0:  # the loss of rank 0's rows
             print(json.dumps({"step": step, "loss": loss.item()}), flush=True)
         if args.save_at == step + 1:
             save(model, optimizer, step + 1, args.out)

@@ -67,7 +67,7 @@ def _probe(module: nn.Module) -> nn.Module:
     probe = object.__new__(type(module))  # no __new__ or __init__ of its class (FSDP2's has both)
     probe.__dict__.update(module.__dict__)
     probe._parameters = {
-        n: None if p is None else nn.Parameter(torch.zeros(p.shape), p.requires_grad)
+        n: None if p is None else nn.Parameter(torch.zeros(p.shape, dtype=torch.float32), p.requires_grad)
         for n, p in module._parameters.items()
     }
     probe._buffers = {n: None if b is None else _zeros_like(b) for n, b in module._buffers.items()}
@@ -75,4 +75,4 @@ def _probe(module: nn.Module) -> nn.Module:
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype)
+    return torch.zeros(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype, device="cpu")

@@ -3,13 +3,14 @@
 transformers shards while it loads: ``from_pretrained(path, distributed_config=DistributedConfig(
 fsdp_size=..., dp_replicate_size=..., tp_size=...))`` applies tensor parallelism and then ``fully_shard``
 (FSDP2, HSDP over a 2-D mesh) before weights are loaded, so the model reaches ``patch_model`` sharded.
-FSDP2 keeps, for each parameter it manages, the module that holds it: it sets the gathered weight on
-that module before a forward and the shard after. A converted layer takes over its module's very
-parameters, so FSDP2's records need only point at the new layer instead of the old one; that is what
-:meth:`Fsdp2Sharding.hand_over` does (FSDP2 has no public way to do it: the records are its
-``FSDPParam``'s module info, read and changed here only). The FSDP2 units themselves (the decoder
-blocks, the embeddings, the output head and final norm that transformers' ``fsdp_plan`` wraps) keep
-their class: a unit that would convert stays in high precision, and the report says why.
+FSDP2 keeps, for each parameter it manages, the module that holds it: it sets the gathered weight in
+that module's parameter table before a forward and the shard after. A converted layer holds its
+parameters in the very table of the module it replaced (see ``Fp8Scaled.remember_float_module``), so
+FSDP2's writes reach it as they are, and nothing of FSDP2 is changed. The FSDP2 units themselves (the
+decoder blocks, the embeddings, the output head and final norm that transformers' ``fsdp_plan`` wraps)
+keep their class, with FSDP2's hooks on it: a unit that would convert stays in high precision, and the
+report says why. FSDP2's parameter records (its ``FSDPParam``s: no public API shows them) are only read,
+to tell the mesh dimensions of tensor parallelism from FSDP2's own under FSDP2 x TP.
 
 What a weight FSDP2 shards already cannot do is refused before anything changes: weights stored or
 all-gathered in FP8 (``fp8_weights``, ``fp8_all_gather``: the sharded parameter would have to become
@@ -23,15 +24,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_fp8.recipe import Fp8Recipe
 
-__all__ = ["HANDED_OVER", "UNIT_KEPT", "Fsdp2Sharding", "fsdp2_sharding"]
+__all__ = ["SHARDED_FIRST", "UNIT_KEPT", "Fsdp2Sharding", "fsdp2_sharding"]
 
-HANDED_OVER = (
-    "FSDP2 sharded the model before patching: the FP8 layers take over its records of their weights "
-    "(all-gathered in their own dtype); its units themselves stay in high precision"
+SHARDED_FIRST = (
+    "FSDP2 sharded the model before patching: the FP8 layers train its shards (their weights all-gathered "
+    "in their own dtype); its units themselves stay in high precision"
 )
 
 UNIT_KEPT = (
@@ -43,7 +45,7 @@ UNIT_KEPT = (
 @dataclass
 class Fsdp2Sharding:
     """What FSDP2 holds of a model sharded before patching: its units and, by module, its parameter
-    records."""
+    records (read only)."""
 
     units: set[int] = field(default_factory=set)  # ids of the modules fully_shard was applied to
     records: dict[int, list[Any]] = field(default_factory=dict)  # id(module) -> FSDP2's FSDPParams
@@ -56,7 +58,7 @@ class Fsdp2Sharding:
                 f"patch_model: the model is sharded by FSDP2 already (transformers' DistributedConfig with "
                 f"fsdp_size or dp_replicate_size, or fully_shard before patching), and {stored[0]} needs its "
                 "weights in FP8 before they are sharded. Patch before sharding (load without fsdp_size, "
-                "patch_model, then fully_shard), or use a recipe without it (the default, hybrid-delayed)"
+                "patch_model, then fully_shard), or use a recipe without it (hybrid-delayed, backward-fp8)"
             )
         if backend not in ("auto", "native"):
             raise ValueError(
@@ -64,21 +66,32 @@ class Fsdp2Sharding:
                 "handle: use backend='native'"
             )
 
-    def hand_over(self, replacements: list[tuple[nn.Module, nn.Module]]) -> None:
-        """Point FSDP2's records of each replaced module's parameters at its replacement (and back, for
-        pairs given the other way round)."""
-        for old, new in replacements:
-            for record in self.records.get(id(old), ()):
-                info = record._module_info
-                if info.module is old:
-                    info.module = new
-                info.shared_modules = [new if m is old else m for m in info.shared_modules]
-            self.records[id(new)] = self.records.pop(id(old), [])
+    def model_parallel_mesh(self, module: nn.Module) -> Any:
+        """The mesh over which ``module``'s parameters are sharded besides FSDP2's own dimensions (tensor
+        parallelism under FSDP2 x TP), or ``None``."""
+        for record in self.records.get(id(module), ()):
+            mesh, data_parallel = record.sharded_param.device_mesh, record.mesh_info.mesh
+            if mesh.ndim == data_parallel.ndim:
+                continue
+            names = [n for n in mesh.mesh_dim_names or () if n not in (data_parallel.mesh_dim_names or ())]
+            if len(names) != mesh.ndim - data_parallel.ndim:
+                raise ValueError(
+                    "patch_model: FSDP2 shards a tensor-parallel model over a mesh whose dimensions have no "
+                    "names, so the tensor-parallel one cannot be told apart: give init_device_mesh "
+                    "mesh_dim_names"
+                )
+            return mesh[names[0]] if len(names) == 1 else mesh[tuple(names)]
+        return None
 
 
 def fsdp2_sharding(model: nn.Module) -> Fsdp2Sharding | None:
     """What FSDP2 holds of ``model``, or ``None`` when ``fully_shard`` was applied nowhere in it."""
-    from torch.distributed.fsdp import FSDPModule
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6 exports FSDP2 elsewhere; hf-fp8 shards with it from 2.6 on
+        return None
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
@@ -86,6 +99,7 @@ def fsdp2_sharding(model: nn.Module) -> Fsdp2Sharding | None:
     sharding = Fsdp2Sharding(units={id(m) for m in units})
     for unit in units:
         state = unit._get_fsdp_state()
+        # torch 2.13 keeps a list of parameter groups a unit; earlier versions one (or none)
         groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
         for group in filter(None, groups):
             for record in group.fsdp_params:

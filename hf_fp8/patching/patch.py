@@ -38,7 +38,7 @@ from hf_fp8.layers.selection import ModelContext, matches, module_record
 from hf_fp8.module_tree import get_path, replace_modules, set_path, walk_children
 from hf_fp8.patching import forward_hooks
 from hf_fp8.patching.default_recipe import resolve_recipe
-from hf_fp8.patching.fsdp_first import HANDED_OVER, UNIT_KEPT, fsdp2_sharding
+from hf_fp8.patching.fsdp_first import SHARDED_FIRST, UNIT_KEPT, fsdp2_sharding
 from hf_fp8.patching.patch_state import PatchState, get_state, set_state
 from hf_fp8.patching.step import unwatch_optimizer_steps, watch_optimizer_steps
 from hf_fp8.patching.tensor_parallel import check_layouts, install_layouts, tensor_parallel_layouts
@@ -97,19 +97,20 @@ def patch_model(
     _check_filter(module_filter_fn, "patch_model")
     asked = recipe
     recipe, chose = resolve_recipe(recipe, model, backend)
+    sharding = fsdp2_sharding(model)  # a model FSDP2 sharded before patching (transformers' loading)
+    units = sharding.units if sharding is not None else set()  # FSDP2's own units stay as they are
     state = get_state(model)
     if state is not None:
         _warn_if_repatched_differently(state, asked, recipe, backend)
         stage, _ = _check_zero(model, state.recipe, state.backend.name)  # patched before DeepSpeed showed
-        report = _walk(model, state.backend, convert=False, module_filter_fn=state.module_filter_fn)[0]
+        report = _walk(model, state.backend, False, module_filter_fn=state.module_filter_fn, units=units)[0]
         if (gathered := gather_blocks_whole(model, stage)) is not None:  # the model may have changed (PEFT)
             report.notes.append(gathered)
         return report
-    sharding = fsdp2_sharding(model)  # a model FSDP2 sharded before patching (transformers' loading)
-    layouts = tensor_parallel_layouts(model, sharded_by_fsdp2=sharding is not None)
+    layouts = tensor_parallel_layouts(model, sharding)
     unmatched = _unmatched_patterns(model, recipe)
     if not recipe.enabled:  # reported as a plan, nothing converted
-        report = _walk(model, NativeBackend(recipe), convert=False, module_filter_fn=module_filter_fn)[0]
+        report = _walk(model, NativeBackend(recipe), False, module_filter_fn=module_filter_fn, units=units)[0]
         report.backend = "none"
         return report
     stage, backend = _check_zero(model, recipe, backend)  # refuses before the model changes
@@ -121,18 +122,14 @@ def patch_model(
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])
     )
     chosen = chosen_class(recipe)
-    units = sharding.units if sharding is not None else set()
     if layouts:
         planned = _walk(model, chosen, convert=False, module_filter_fn=module_filter_fn, units=units)[0]
         check_layouts(layouts, [r.name for r in planned.converted], chosen.name, recipe)
     fusing = fuse and module_filter_fn is None
     report, replaced, handles = _walk(model, chosen, True, fusing, module_filter_fn, units)
-    swaps = [(r.original, get_path(model, r.path)) for r in replaced]
     if sharding is not None:
-        sharding.hand_over(swaps)
-        report.notes.append(HANDED_OVER)
+        report.notes.append(SHARDED_FIRST)
     if layouts:
-        install_layouts(layouts, {r.path: get_path(model, r.path) for r in replaced})
         report.notes.append(
             "tensor parallelism: the sharded layers keep their column- and row-wise layouts and run their "
             "FP8 casts and GEMMs on their local shards; amaxes are reduced over the ranks at each step's end"
@@ -157,10 +154,9 @@ def patch_model(
         module_filter_fn=module_filter_fn,
     )
     try:
+        install_layouts(layouts, {r.path: get_path(model, r.path) for r in replaced})
         state.handles += chosen.attach(model, replaced, report)
     except Exception:
-        if sharding is not None:
-            sharding.hand_over([(new, old) for old, new in swaps])
         _undo(model, replaced, state.handles)
         raise
     set_state(model, state)

@@ -10,9 +10,10 @@ the step's end reduces every amax over the ranks (a MAX over the world group), s
 the whole tensor's amax from the second step on, as FSDP2's shards do.
 
 Column-wise and row-wise linear layers convert; a layer of another style (``colwise_gather_output``,
-packed or expert styles) is refused before anything changes. A model that transformers sharded with FSDP2
-as well (``DistributedConfig(tp_size=..., fsdp_size=...)``: FSDP2 x TP) keeps its tensor-parallel layouts
-the same way, over the mesh's tensor-parallel dimension (see :mod:`hf_fp8.patching.fsdp_first` for the
+packed or expert styles) is refused before anything changes, and so are the recipe keys a sharded
+weight cannot keep (``fp8_all_gather``, ``fp8_weights``). A model that transformers sharded with FSDP2 as
+well (``DistributedConfig(tp_size=..., fsdp_size=...)``: FSDP2 x TP) keeps its tensor-parallel layouts
+the same way, over the mesh dimension besides FSDP2's (see :mod:`hf_fp8.patching.fsdp_first` for the
 FSDP2 side).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_fp8.patching.fsdp_first import Fsdp2Sharding
 from hf_fp8.recipe import Fp8Recipe
 
 __all__ = ["TensorParallelLayout", "check_layouts", "install_layouts", "tensor_parallel_layouts"]
@@ -44,10 +46,13 @@ class TensorParallelLayout:
         return any(cls.__name__ in _SUPPORTED for cls in type(self.style).__mro__)
 
 
-def tensor_parallel_layouts(model: nn.Module, sharded_by_fsdp2: bool) -> dict[str, TensorParallelLayout]:
-    """The layout of every module of ``model`` that tensor parallelism sharded, by module name. Without
-    FSDP2 every module whose own parameters are DTensors must have one: raises, naming the weight, where
-    one has no tensor-parallel style (sharded by something else)."""
+def tensor_parallel_layouts(
+    model: nn.Module, sharding: Fsdp2Sharding | None
+) -> dict[str, TensorParallelLayout]:
+    """The layout of every module of ``model`` that tensor parallelism sharded, by module name: each
+    module whose own parameters are DTensors (under FSDP2, ``sharding``: over a dimension besides
+    FSDP2's). Raises, naming the weight, where such a module has no tensor-parallel style (sharded by
+    something else)."""
     if not torch.distributed.is_available():
         return {}
     from torch.distributed.tensor import DTensor
@@ -55,41 +60,29 @@ def tensor_parallel_layouts(model: nn.Module, sharded_by_fsdp2: bool) -> dict[st
     sharded_modules = {}
     for name, module in model.named_modules():
         sharded = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
-        if sharded:
-            sharded_modules[name] = sharded
-    if not sharded_modules or (sharded_by_fsdp2 and _tensor_parallel_size(model) <= 1):
+        if not sharded:
+            continue
+        mesh = sharded[0][1].device_mesh if sharding is None else sharding.model_parallel_mesh(module)
+        if mesh is not None:
+            sharded_modules[name] = (sharded[0], mesh)
+    if not sharded_modules:
         return {}
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 
     plan = getattr(model, "tp_plan", None) or {}
     layouts = {}
-    for name, sharded in sharded_modules.items():
+    for name, ((param_name, param), mesh) in sharded_modules.items():
         style_name = plan.get(replace_layer_number_by_wildcard(name))
-        if style_name is None and sharded_by_fsdp2:  # FSDP2's shards alone
-            continue
         if style_name is None:
-            param_name, param = sharded[0]
             raise ValueError(
                 f"patch_model: {name}.{param_name} is already sharded (a DTensor, {tuple(param.placements)} "
                 f"over {param.device_mesh.size()} ranks) by no tensor-parallel plan, and converting it would "
                 "lose its layout. Patch before sharding: for FSDP2 or HSDP, patch_model and then fully_shard "
-                "(prepare_fp8 and Fp8TrainerCallback do it in that order)"
+                "(prepare_fp8 and Fp8TrainerCallback do it in that order); for tensor parallelism, load with "
+                "transformers' DistributedConfig"
             )
-        mesh = _tensor_parallel_mesh(sharded[0][1].device_mesh)
         layouts[name] = TensorParallelLayout(ALL_PARALLEL_STYLES[style_name], style_name, mesh)
     return layouts
-
-
-def _tensor_parallel_size(model: nn.Module) -> int:
-    """The tensor-parallel degree transformers loaded ``model`` with (1: none)."""
-    config = getattr(getattr(model, "config", None), "distributed_config", None)
-    return getattr(config, "tp_size", None) or 1
-
-
-def _tensor_parallel_mesh(mesh: Any) -> Any:
-    """The tensor-parallel dimension of a weight's mesh: the mesh itself, or under FSDP2 x TP its last
-    dimension (FSDP2 puts its data-parallel dimensions first)."""
-    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
 
 
 def check_layouts(
@@ -101,6 +94,12 @@ def check_layouts(
         raise ValueError(
             f"patch_model: {sharded[0]} is sharded by tensor parallelism, which the {backend} backend does "
             "not handle: use backend='native'"
+        )
+    if sharded and recipe.fp8_weights:
+        raise ValueError(
+            f"patch_model: {sharded[0]} is sharded by tensor parallelism, and fp8_weights (lora-fp8, "
+            "lora-fp8-block) stores frozen weights as FP8 tensors, which hf-fp8 has not made work on "
+            "tensor-parallel shards: use a recipe without it (backward-fp8, hybrid-delayed)"
         )
     if sharded and recipe.fp8_all_gather:
         raise ValueError(

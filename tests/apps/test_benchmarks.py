@@ -186,7 +186,7 @@ def test_parallel_bench_runs_under_tensor_parallelism_and_resumes_exactly(runs):
     results = {r["mode"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     assert set(results) == {"bf16", "hf-fp8"} == set(table_rows(out)), out
     assert results["hf-fp8"]["one_fp8_state"] and results["bf16"]["one_fp8_state"] is None
-    assert all(r["resumes_exactly"] and r["tp_all_reduce_mib_per_gpu"] > 0 for r in results.values())
+    assert all(r["resumes_exactly"] for r in results.values())
 
 
 def test_cpu_bench_times_every_call_and_every_recipe_against_float32():

@@ -7,16 +7,17 @@ transformers sharded as it loaded (gloo on the CPU), or in one process as the re
 LAYOUT is ``single``, one of ``LAYOUTS`` below (transformers' ``DistributedConfig``: ``tp``, tensor
 parallelism over every rank; ``fsdp-tp``, FSDP2 x TP, 2 x 2; ``hsdp``, two replicas of two FSDP2
 shards, patched with the output head converted too), ``trainer`` (FSDP2 over every rank, trained by
-the Trainer with ``Fp8TrainerCallback``) or ``refusals`` (``fsdp-fp8`` asked of a model ``fully_shard``
-sharded first and of a tensor-parallel one). The ranks of one tensor-parallel group train on the same
+the Trainer with ``Fp8TrainerCallback``) or ``refusals`` (what a sharded model cannot take: see
+:func:`refusals`). The ranks of one tensor-parallel group train on the same
 rows, each data-parallel group on its share of the global batch. Writes OUT_DIR/rank{R}.json: this rank's data
 share, the patch report, per step the loss and the FP8 state of a column-wise (``q_proj``) and a
 row-wise (``down_proj``) layer with the amax of its whole weight as the step began, and what
-``unpatch_model`` said; or the refusal and whether the model still runs.
+``unpatch_model`` said.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -117,35 +118,71 @@ def train_with_the_trainer(model, out: str, steps: int) -> dict:
     trainer.train()
     return {
         "notes": callback.report.notes,
+        "fp8_steps": model.get_submodule(LAYERS["colwise"]).fp8_steps.item(),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         **{kind: fp8_state(model.get_submodule(name)) for kind, name in LAYERS.items()},
     }
 
 
 def refusals(model_dir: str) -> dict:
-    """``fsdp-fp8`` (weights all-gathered in FP8) asked of a model ``fully_shard`` sharded first and of one
-    transformers sharded by tensor parallelism: each refusal, and whether the model still runs."""
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-    for layer in plain.model.layers:
-        fully_shard(layer)
-    fully_shard(plain)
+    """What a sharded model cannot take leaves it as it was: ``fsdp-fp8`` (weights all-gathered in FP8)
+    asked of a model ``fully_shard`` sharded first and of one transformers sharded by tensor parallelism
+    (refused before anything changes), and a patch of a ``fully_shard``-first model that fails at its
+    last step (the backend's ``attach`` raising: the walk and FSDP2's records undone). For each: the
+    error, and a step's loss before and after (the same: nothing changed, and the model still trains)."""
     layout = {"distributed_config": DistributedConfig(**LAYOUTS["tp"])}
-    tensor_parallel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **layout)
+    cases = {
+        "fully_shard": fully_sharded(model_dir),
+        "tp": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **layout),
+        "failed attach": fully_sharded(model_dir),
+    }
+    ids = tm.batch_for("llama", 16, batch_size=2, seed=0)["input_ids"]
     results = {}
-    for name, model in (("fully_shard", plain), ("tp", tensor_parallel.train())):
+    for name, model in cases.items():
+        model.train()
+        before = model(input_ids=ids, labels=ids).loss
+        before.backward()  # gradients through FSDP2's hooks too
+        model.zero_grad()
         try:
-            hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
-            refusal = None
-        except ValueError as err:
-            refusal = str(err)
-        ids = tm.batch_for("llama", 16, batch_size=2, seed=0)["input_ids"]
-        loss = model(input_ids=ids, labels=ids).loss
+            if name == "failed attach":
+                with failing_attach():
+                    hf_fp8.patch_model(model, "hybrid-delayed", backend="native")
+            else:
+                hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
+            error = None
+        except (ValueError, RuntimeError) as err:
+            error = str(err)
+        after = model(input_ids=ids, labels=ids).loss
+        after.backward()
         results[name] = {
-            "refusal": refusal,
+            "error": error,
             "fp8_modules": sum(isinstance(m, hf_fp8.Fp8Module) for m in model.modules()),
-            "loss_is_finite": bool(torch.isfinite(loss)),
+            "same_loss": before.item() == after.item(),
         }
     return results
+
+
+def fully_sharded(model_dir: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+@contextlib.contextmanager
+def failing_attach():
+    """The native backend's ``attach`` (the patch's last step, after the walk) raising."""
+    from hf_fp8.backends.native import NativeBackend
+
+    def attach(*args, **kwargs):
+        raise RuntimeError("attach failed on purpose")
+
+    original = NativeBackend.attach
+    NativeBackend.attach = attach
+    try:
+        yield
+    finally:
+        NativeBackend.attach = original
 
 
 def main() -> None:
