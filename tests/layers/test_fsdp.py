@@ -248,14 +248,23 @@ def test_gpu_two_ranks_train_with_the_fp8_all_gather(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
+@pytest.mark.parametrize(("config", "gpus"), [("fsdp2.yaml", 2), ("hsdp.yaml", 4)])
+def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path, config, gpus):
     """The README's command: ``hf-fp8 launch --config_file examples/fsdp2.yaml --recipe fsdp-fp8`` and a
-    script with ``prepare_fp8``: the weights are all-gathered in FP8, both ranks hold one FP8 state, and
-    a run resumed from ``accelerator.save_state`` follows the uninterrupted one."""
-    config = REPO / "examples" / "fsdp2.yaml"
+    script with ``prepare_fp8``, and the same with examples/hsdp.yaml (Accelerate's ParallelismConfig: two
+    replicas of two FSDP2 shards): the weights are all-gathered in FP8, every rank holds one FP8 state,
+    and a run resumed from ``accelerator.save_state`` follows the uninterrupted one."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     # the command as a module: a GPU host may have the checkout on PYTHONPATH, not the console script
-    launch = [sys.executable, "-m", "hf_fp8.apps.cli", "launch", "--config_file", str(config)]
+    launch = [
+        sys.executable,
+        "-m",
+        "hf_fp8.apps.cli",
+        "launch",
+        "--config_file",
+        str(REPO / "examples" / config),
+    ]
     launch += ["--recipe", "fsdp-fp8", "--main_process_port", str(free_port()), str(WORKER)]
     options = ("--accelerate", "--fp8-all-gather", "--device", "cuda")
     first, resumed = tmp_path / "first", tmp_path / "resumed"
@@ -266,15 +275,17 @@ def test_gpu_hf_fp8_launch_with_the_accelerate_fsdp2_config(tmp_path):
     assert (checkpoint / "fp8_state.safetensors").is_file()
     resume = ("--resume-from", str(checkpoint))
     run([([*launch, str(resumed), str(STEPS), *resume, *options], {})], resumed / "log")
-    rank0, rank1 = records(first, 0), records(first, 1)
-    for a, b in zip(rank0, rank1, strict=True):
+    on_ranks = [records(first, rank) for rank in range(gpus)]
+    for a, *others in zip(*on_ranks, strict=True):
         assert a["weight_seen"]["type"] == "Fp8GatheredWeight", a["step"]
         assert a["weight_seen"]["bytes"] == a["weight_seen"]["numel"]
-        assert a["history"] == b["history"] and a["scale"] == b["scale"], a["step"]
-    assert all(result(first, r)["optimizes_the_model"] for r in (0, 1))
+        assert all(a["history"] == b["history"] and a["scale"] == b["scale"] for b in others), a["step"]
+    assert all(
+        result(first, r)["optimizes_the_model"] and result(first, r)["world"] == gpus for r in range(gpus)
+    )
     again = records(resumed)
     assert [r["step"] for r in again] == [3, 4, 5]
-    for a, b in zip(again, rank0[3:], strict=True):
+    for a, b in zip(again, on_ranks[0][3:], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), a["step"]
 
 
