@@ -50,8 +50,9 @@ class Fsdp2Sharding:
     units: set[int] = field(default_factory=set)  # ids of the modules fully_shard was applied to
     records: dict[int, list[Any]] = field(default_factory=dict)  # id(module) -> FSDP2's FSDPParams
 
-    def check(self, recipe: Fp8Recipe, backend: str) -> None:
-        """Raise, before anything changes, where the sharding cannot honour the recipe or backend."""
+    def check(self, recipe: Fp8Recipe) -> None:
+        """Raise, before anything changes, where the sharding cannot honour the recipe (the backend is
+        chosen or refused as for any FSDP2 model: ``backend_for_fsdp``)."""
         stored = [key for key in ("fp8_all_gather", "fp8_weights") if getattr(recipe, key)]
         if stored:
             raise ValueError(
@@ -59,11 +60,6 @@ class Fsdp2Sharding:
                 f"fsdp_size or dp_replicate_size, or fully_shard before patching), and {stored[0]} needs its "
                 "weights in FP8 before they are sharded. Patch before sharding (load without fsdp_size, "
                 "patch_model, then fully_shard), or use a recipe without it (hybrid-delayed, backward-fp8)"
-            )
-        if backend not in ("auto", "native"):
-            raise ValueError(
-                f"patch_model: the model is sharded by FSDP2 already, which the {backend} backend does not "
-                "handle: use backend='native'"
             )
 
     def model_parallel_mesh(self, module: nn.Module) -> Any:

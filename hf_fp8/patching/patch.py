@@ -29,6 +29,7 @@ from hf_fp8.backends.native import NativeBackend
 from hf_fp8.backends.registry import (
     auto_backend,
     backend_class,
+    backend_for_fsdp,
     backend_for_zero,
     is_fp8_module,
     plain_module,
@@ -115,8 +116,8 @@ def patch_model(
         return report
     stage, backend = _check_zero(model, recipe, backend)  # refuses before the model changes
     if sharding is not None:
-        sharding.check(recipe, backend)
-        backend = "native"
+        sharding.check(recipe)
+        backend = backend_for_fsdp(backend)
     device = _device_of(model)
     chosen_class, passed_over = (
         auto_backend(device, recipe) if backend == "auto" else (backend_class(backend, device, recipe), [])

@@ -17,11 +17,11 @@ row-wise (``down_proj``) layer with the amax of its whole weight as the step beg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 import tiny_models as tm
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hf_fp8
+from hf_fp8.backends.native import NativeBackend
 
 LAYERS = {"colwise": "model.layers.0.self_attn.q_proj", "rowwise": "model.layers.1.mlp.down_proj"}
 GLOBAL_BATCH = 4
@@ -145,7 +146,8 @@ def refusals(model_dir: str) -> dict:
         model.zero_grad()
         try:
             if name == "failed attach":
-                with failing_attach():
+                failing = RuntimeError("attach failed on purpose")  # the patch's last step, after the walk
+                with mock.patch.object(NativeBackend, "attach", side_effect=failing):
                     hf_fp8.patch_model(model, "hybrid-delayed", backend="native")
             else:
                 hf_fp8.patch_model(model, "fsdp-fp8", backend="native")
@@ -167,22 +169,6 @@ def fully_sharded(model_dir: str):
     for layer in model.model.layers:
         fully_shard(layer)
     return fully_shard(model)
-
-
-@contextlib.contextmanager
-def failing_attach():
-    """The native backend's ``attach`` (the patch's last step, after the walk) raising."""
-    from hf_fp8.backends.native import NativeBackend
-
-    def attach(*args, **kwargs):
-        raise RuntimeError("attach failed on purpose")
-
-    original = NativeBackend.attach
-    NativeBackend.attach = attach
-    try:
-        yield
-    finally:
-        NativeBackend.attach = original
 
 
 def main() -> None:
