@@ -32,9 +32,8 @@ from harness import (
     export_trace,
     fresh_start,
     gpu_time_by_kind,
-    print_table,
     ratio,
-    run_modes_on_ranks,
+    run_sharded,
     time_steps,
 )
 from torch.distributed.fsdp import fully_shard
@@ -132,16 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     modes = chosen_modes(parser, args.modes, MODES)
-
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank = dist.get_rank()
-    if args.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    results = run_modes_on_ranks(modes, run_mode, args, rank)
-    if rank == 0:
-        print_table(results, "bf16", TITLES, row_cells)
-    dist.destroy_process_group()
-    return 0
+    return run_sharded(modes, run_mode, args, TITLES, row_cells)
 
 
 if __name__ == "__main__":

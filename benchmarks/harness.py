@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import hashlib
 import json
 import os
 import shutil
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -336,6 +338,53 @@ def add_sharded_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="hf_fp8.compile the sharded model")
     parser.add_argument("--device", default="cuda", help="cpu: a gloo smoke test, with --shape tiny")
+
+
+def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--resume-check K`` and where it saves: the sharded benchmarks that check their checkpoints."""
+    parser.add_argument(
+        "--resume-check", type=int, default=0, metavar="K", help="then train K steps twice from a checkpoint"
+    )
+    parser.add_argument("--checkpoint-dir", default=tempfile.gettempdir(), help="where --resume-check saves")
+
+
+def fp8_state_digest(model: torch.nn.Module) -> str:
+    """A hash of the bytes of every FP8 layer's amax histories, scales and step counts: equal on two
+    ranks when their FP8 states are equal bit for bit."""
+    from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
+
+    digest = hashlib.sha256()
+    for name, buffer in model.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            digest.update(buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def same_on_every_rank(value: object) -> bool:
+    """Whether every rank of the default process group holds an equal ``value``."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)
+
+
+def run_sharded(
+    modes: list[str], run_mode, args: argparse.Namespace, titles: list[str], row_cells: Callable
+) -> int:
+    """A sharded benchmark's run on this rank: the process group (NCCL on GPUs, each rank on its own;
+    gloo on the CPU), every mode, and rank 0's table against ``bf16``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    results = run_modes_on_ranks(modes, run_mode, args, rank)
+    if rank == 0:
+        print_table(results, "bf16", titles, row_cells)
+    dist.destroy_process_group()
+    return 0
 
 
 def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace) -> dict:

@@ -25,23 +25,23 @@ same losses and FP8 state both times mean the checkpoint resumes exactly.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from harness import (
+    add_resume_arguments,
     add_sharded_arguments,
     chosen_modes,
+    fp8_state_digest,
     fresh_start,
     llama_config,
-    print_table,
     ratio,
-    run_modes_on_ranks,
+    run_sharded,
+    same_on_every_rank,
     time_steps,
 )
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -86,21 +86,6 @@ def load(args: argparse.Namespace, world: int) -> LlamaForCausalLM:
     return model.train()
 
 
-def fp8_state_digest(model: torch.nn.Module) -> str:
-    """A digest of every FP8 layer's amax history and scales ("" for a model without FP8 layers)."""
-    layers = [m for m in model.modules() if isinstance(m, hf_fp8.Fp8Module)]
-    digest = hashlib.sha256()
-    for tensor in (t for layer in layers for t in (layer.amax_history, layer.scale)):
-        digest.update(tensor.detach().cpu().numpy().tobytes())
-    return digest.hexdigest() if layers else ""
-
-
-def same_on_every_rank(value: object) -> bool:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return len(set(values)) == 1
-
-
 def all_gather_bytes_per_gpu(model: torch.nn.Module, tp_size: int) -> int:
     """The bytes one GPU all-gathers a step by FSDP2: each parameter it shards (its tensor-parallel
     part), gathered for the forward and again for the backward."""
@@ -142,7 +127,6 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
     generator.manual_seed(share)
     timed = time_steps(step, args)
     timed["tokens_per_s_per_gpu"] *= shares / world  # a tensor-parallel group's GPUs share its tokens
-    digest = fp8_state_digest(model)
     hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
     activation_bytes = args.batch * args.seq * hidden * 2
     result = {
@@ -157,7 +141,7 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "tp_all_reduce_mib_per_gpu": (
             TP_ALL_REDUCES_PER_LAYER * layers * activation_bytes / 2**20 if tp_size > 1 else 0.0
         ),
-        "one_fp8_state": same_on_every_rank(digest) if digest else None,
+        "one_fp8_state": same_on_every_rank(fp8_state_digest(model)) if hf_fp8.is_patched(model) else None,
     }
     if args.resume_check:
         result.update(resume_check(model, optimizer, step, generator, share, args))
@@ -209,24 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sharded_arguments(parser, MODES)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    parser.add_argument(
-        "--resume-check", type=int, default=0, metavar="K", help="then train K steps twice from a checkpoint"
-    )
-    parser.add_argument("--checkpoint-dir", default=tempfile.gettempdir(), help="where --resume-check saves")
+    add_resume_arguments(parser)
     args = parser.parse_args(argv)
     modes = chosen_modes(parser, args.modes, MODES)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.layout in ("hsdp", "fsdp-tp") and (world < 4 or world % 2):
         parser.error(f"--layout {args.layout} splits the ranks 2 x N: start 4, 6, 8, ... (got {world})")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank = dist.get_rank()
-    if args.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    results = run_modes_on_ranks(modes, run_mode, args, rank)
-    if rank == 0:
-        print_table(results, "bf16", TITLES, row_cells)
-    dist.destroy_process_group()
-    return 0
+    return run_sharded(modes, run_mode, args, TITLES, row_cells)
 
 
 if __name__ == "__main__":

@@ -23,29 +23,29 @@ again: whether the losses and the FP8 state came out the same.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from harness import (
+    add_resume_arguments,
     add_sharded_arguments,
     build,
     chosen_modes,
+    fp8_state_digest,
     fresh_start,
     print_table,
     ratio,
     run_modes_on_ranks,
+    same_on_every_rank,
     time_steps,
 )
 
 import hf_fp8
-from hf_fp8.layers.fp8_scaled import STATE_BUFFERS
 
 RECIPES = {"hf-fp8": hf_fp8.Fp8Recipe(), "hf-fp8-head-backward": hf_fp8.Fp8Recipe.named("head-backward")}
 MODES = ("bf16", *RECIPES)
@@ -61,16 +61,6 @@ def zero_config(args: argparse.Namespace) -> dict:
         "bf16": {"enabled": args.device == "cuda"},
         "steps_per_print": 10**9,
     }
-
-
-def fp8_state_digest(model: torch.nn.Module) -> str:
-    """A hash of the bytes of every FP8 layer's amax histories, scales and step counts: equal on two
-    ranks when their FP8 states are equal bit for bit."""
-    digest = hashlib.sha256()
-    for name, buffer in model.named_buffers():
-        if name.rsplit(".", 1)[-1] in STATE_BUFFERS:
-            digest.update(buffer.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
@@ -101,8 +91,6 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
 
     timed = time_steps(step, args)
     resumed = resume_check(engine, step, generator, args) if args.resume_check else {}
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, fp8_state_digest(engine.module))
     result = {
         "mode": mode,
         "stage": args.stage,
@@ -111,7 +99,7 @@ def run_mode(mode: str, args: argparse.Namespace, rank: int) -> dict:
         "gpus": dist.get_world_size(),
         "compiled": args.compile,
         **timed,
-        "same_fp8_state_on_every_rank": all(d == digests[0] for d in digests),
+        "same_fp8_state_on_every_rank": same_on_every_rank(fp8_state_digest(engine.module)),
         **resumed,
     }
     engine.destroy()
@@ -153,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
     add_sharded_arguments(parser, MODES)
-    parser.add_argument(
-        "--resume-check", type=int, default=0, metavar="K", help="then train K steps twice from a checkpoint"
-    )
-    parser.add_argument("--checkpoint-dir", default=tempfile.gettempdir(), help="where --resume-check saves")
+    add_resume_arguments(parser)
     args = parser.parse_args(argv)
     modes = chosen_modes(parser, args.modes, MODES)
     if args.device == "cpu":
