@@ -89,6 +89,12 @@ def _validate_head(name: str, value: Any) -> bool | str:
     )
 
 
+def _validate_head_scaling(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    return _expect_choice(name, value, get_args(Scaling))
+
+
 def _validate_patterns(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
@@ -115,6 +121,7 @@ _VALIDATORS = {
     "fp8_all_gather": _expect_bool,
     "modules_to_not_convert": _validate_patterns,
     "convert_lm_head": _validate_head,
+    "head_scaling": _validate_head_scaling,
     "forward_in_fp8": _expect_bool,
     "use_during_eval": _expect_bool,
     "nan_policy": _choice(NanPolicy),

@@ -63,6 +63,8 @@ class NativeBackend(Fp8Backend):
         self.unquantized: list[Fp8Scaled] = []
         self.watch = NonFiniteWatch()
         self.shared_inputs: SharedInputCasts | None = None
+        # The converted output head(s), under the recipe's head_recipe (see Fp8Recipe.head_scaling).
+        self.heads: list[Fp8Module] = []
 
     @classmethod
     def usable(cls, device: torch.device) -> tuple[bool, str]:
@@ -93,9 +95,17 @@ class NativeBackend(Fp8Backend):
         named = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8Scaled)]
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         self.shared_inputs = SharedInputCasts(named)
-        for head in output_head_layers(model):
-            if isinstance(head, Fp8Module) and not head.forward_in_fp8:  # convert_lm_head: backward
+        self.heads = [head for head in output_head_layers(model) if isinstance(head, Fp8Module)]
+        for head in self.heads:
+            head.recipe = self.recipe.head_recipe
+            if not head.forward_in_fp8:  # convert_lm_head: backward
                 head.output_head = True
+        if self.heads and self.recipe.head_scaling is not None:
+            head_recipe = self.recipe.head_recipe
+            report.notes.append(
+                f"the output head runs under head_scaling {head_recipe.scaling!r} (format "
+                f"{head_recipe.format!r}); every other layer under scaling {self.recipe.scaling!r}"
+            )
         _keep_fp8_state_out_of_ddp_broadcast(model)
         report.notes += self._emulation_notes(model)
         experts = [m for m in self.layers if isinstance(m, Fp8Experts)]
@@ -143,7 +153,8 @@ class NativeBackend(Fp8Backend):
         in the report, since compiled code does not warn (a warning would break its graph)."""
         notes = []
         devices = {p.device for layer in self.layers for p in layer.parameters(recurse=False)}
-        if self.recipe.scaling == "block" and not all(block_kernels_available(d) for d in devices):
+        in_blocks = any(layer.recipe.scaling == "block" for layer in self.layers)
+        if in_blocks and not all(block_kernels_available(d) for d in devices):
             notes.append(f"{EMULATED} (the model is on {', '.join(sorted(str(d) for d in devices))})")
         if self.recipe.format == "e5m2":
             notes.append(
@@ -157,15 +168,17 @@ class NativeBackend(Fp8Backend):
         FSDP2 (:mod:`hf_fp8.layers.fsdp`); ``shared`` ones (another module uses them too), experts', and
         those of layers whose forward runs in high precision (it would read FP8-rounded weights) are not."""
         linear = [m for m in self.layers if isinstance(m, Fp8Module) and m.forward_in_fp8]
-        chosen = [m for m in linear if m.weight.requires_grad and id(m.weight) not in shared]
+        chosen = [
+            m for m in linear if m.weight.requires_grad and id(m.weight) not in shared and m.recipe.tensorwise
+        ]
         for module in chosen:
             gather_weight_in_fp8(module)
         left = len(self.layers) - len(chosen)
         report.notes.append(
             f"fp8_all_gather: {len(chosen)} weight(s) are all-gathered in FP8 under FSDP2"
             + (
-                f"; {left} FP8 module(s) in their own dtype (tied, frozen, experts or a forward in high "
-                "precision)"
+                f"; {left} FP8 module(s) in their own dtype (tied, frozen, experts, a forward in high "
+                "precision, or scaled by block or row: head_scaling)"
                 if left
                 else ""
             )
@@ -208,8 +221,9 @@ class NativeBackend(Fp8Backend):
 
     def set_recipe(self, recipe: Fp8Recipe) -> None:
         super().set_recipe(recipe)
+        heads, head_recipe = {id(head) for head in self.heads}, recipe.head_recipe
         for module in self.layers:
-            module.recipe = recipe
+            module.recipe = head_recipe if id(module) in heads else recipe
 
     def state_restored(self, model: nn.Module) -> None:
         layers = [m for m in model.modules() if isinstance(m, Fp8Scaled)]

@@ -68,12 +68,6 @@ class Fp8Module(Fp8Scaled):
         self.train(source.training)
         self.init_fp8_state(recipe, self.weight.device)
         if not forward_in_fp8:
-            if not self.recipe.backward_only_fp8:
-                raise ValueError(
-                    "a forward in high precision with FP8 backward GEMMs is built for tensorwise and block "
-                    f"scaling; scaling {self.recipe.scaling!r} runs every GEMM in FP8: use 'delayed', "
-                    "'current' or 'block'"
-                )
             self.forward_in_fp8 = False
 
     def to_float(self) -> nn.Module:

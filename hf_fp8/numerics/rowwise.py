@@ -15,12 +15,14 @@ high-precision tensors the forward saved (as torchao's row-wise recipes do):
 
 All operands are E4M3 (cuBLAS's row-wise kernels take E4M3 only), and on the GPU the kernels write
 BF16, cast to the dtype asked for afterwards. The layer's amax history still records each tensor's
-amax, for telemetry and the NaN guard.
+amax, for telemetry and the NaN guard. Under ``forward_in_fp8: false`` the forward GEMM runs in high
+precision and the backward is the same: it casts from the saved high-precision tensors either way.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
@@ -81,12 +83,16 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         config: GemmConfig,
         gw_in_fp8: bool,
     ):
-        fmt = config.forward_format
-        x_fp8, x_scales, x_amax = cast_rows(x, fmt, config.margin)  # (tokens, 1)
-        w_fp8, w_scales, w_amax = cast_rows(weight, fmt, config.margin)  # (out, 1)
-        out = _mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scales, w_scales.t(), config.out_dtype)
-        if bias is not None:
-            out = out + bias.to(config.out_dtype)
+        fmt, dtype = config.forward_format, config.out_dtype
+        if config.forward_in_fp8:
+            x_fp8, x_scales, x_amax = cast_rows(x, fmt, config.margin)  # (tokens, 1)
+            w_fp8, w_scales, w_amax = cast_rows(weight, fmt, config.margin)  # (out, 1)
+            out = _mm(x_fp8.contiguous(), w_fp8.contiguous().t(), x_scales, w_scales.t(), dtype)
+            if bias is not None:
+                out = out + bias.to(dtype)
+        else:  # as F.linear (the output head's logits; any layer under forward_in_fp8: false)
+            out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+            x_amax, w_amax = _amax(x), _amax(weight)
         if record:
             record_amax(amax_history, scale, INPUT, x_amax, fmt, config.margin)
             record_amax(amax_history, scale, WEIGHT, w_amax, fmt, config.margin)
@@ -110,7 +116,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             # the right operand (out, in) column-major: W.T row-major
             grad_x = _mm(dy_fp8.contiguous(), w_fp8.t().contiguous().t(), dy_scales, w_scales, x.dtype)
         else:
-            dy_amax = dy.detach().abs().amax().float()
+            dy_amax = _amax(dy)
         if ctx.needs_input_grad[1]:
             if ctx.gw_in_fp8:
                 dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
@@ -140,3 +146,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.d
     is cast to ``out_dtype``."""
     kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
     return in_dtype(fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype), out_dtype)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().float()

@@ -6,7 +6,8 @@ first step loses nothing to it (a 384M Llama from scratch over 3,100 steps: trai
 BF16); a model whose weights were trained in high precision keeps the rounding as an offset that
 fine-tuning does not train away (SmolLM2-135M, 1,000 full fine-tuning steps: +0.90% train loss, and
 DPO +4%). Its backward GEMMs in FP8 with its forwards in high precision held both (+0.02% from scratch,
-+0.06% fine-tuned). So (measurements: ``docs/recipes.md#long-runs``):
++0.06% fine-tuned; +0.10% with the output head's backward in FP8, its gradient in 1x128 tiles). So
+(measurements: ``docs/recipes.md#long-runs``):
 
 * weights loaded from a checkpoint (an HF config that names where it came from, as ``from_pretrained``
   leaves it; a model built from a config read from a checkpoint's folder counts too):
@@ -66,5 +67,5 @@ def resolve_recipe(
     return RECIPES[FINE_TUNE_RECIPE], (
         f"recipe: {FINE_TUNE_RECIPE} (forwards in high precision, backward GEMMs in FP8), the default for "
         f"weights loaded from a checkpoint ({checkpoint!r}): FP8 forwards cost SmolLM2's fine-tune +0.9% "
-        "loss, this +0.06% (docs/recipes.md#long-runs); pass recipe='hybrid-delayed' for FP8 forwards"
+        "loss, this +0.10% (docs/recipes.md#long-runs); pass recipe='hybrid-delayed' for FP8 forwards"
     )

@@ -165,8 +165,9 @@ def test_the_heads_backward_takes_the_gradients_amax_by_rows_and_transposes_it_b
 
 @pytest.mark.parametrize("recipe", [None, "backward-fp8", Fp8Recipe(convert_lm_head=True)])
 def test_with_the_heads_forward_in_high_precision_alone_a_gradient_is_transposed_by_a_copy(recipe):
-    """The defaults and ``backward-fp8`` keep the head out of FP8; a head whose forward is in FP8 too
-    transposes its gradient in the kernel that casts it, as every other layer does."""
+    """The defaults keep the head out of FP8, and ``backward-fp8``'s head casts its gradient in 1x128
+    tiles (both layouts in one pass of its own); a head whose forward is in FP8 too transposes its
+    gradient in the kernel that casts it, as every other layer does."""
     assert transposed_copies(backward_calls(recipe)) == 0
 
 

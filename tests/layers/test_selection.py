@@ -15,6 +15,7 @@ from hf_fp8 import Fp8Conv1D, Fp8Linear, Fp8Recipe, is_patched, patch_model, unp
 from hf_fp8.layers.experts import Fp8Experts
 from hf_fp8.layers.selection import FORWARD_KEPT, HEAD_FORWARD_KEPT
 from hf_fp8.patching.patch import plan_patch
+from hf_fp8.patching.step import set_recipe
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED))
@@ -133,7 +134,11 @@ def test_backward_fp8_keeps_every_forward_in_high_precision_and_its_outputs_exac
     report = patch_model(model, "backward-fp8")
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert layers and not any(m.forward_in_fp8 for m in layers)
-    assert all(r.reason == FORWARD_KEPT for r in report.records if r.action == "converted")
+    reasons = {r.name: r.reason for r in report.records if r.action == "converted"}
+    assert reasons.pop("lm_head") == HEAD_FORWARD_KEPT, "the output head's backward in FP8 too"
+    assert set(reasons.values()) == {FORWARD_KEPT}
+    assert model.lm_head.recipe.scaling == "block", "its gradient in 1x128 tiles (head_scaling)"
+    assert {m.recipe.scaling for m in layers if m is not model.lm_head} == {"delayed"}
     batch = tm.batch_for("llama", 16, seed=0)
     expected, got = reference(**batch), model(**batch)
     assert torch.equal(got.logits, expected.logits), "forwards in high precision"
@@ -145,8 +150,6 @@ def test_backward_fp8_keeps_every_forward_in_high_precision_and_its_outputs_exac
     exact = reference.model.layers[0].mlp.up_proj.weight.grad.flatten()
     assert not torch.equal(weight, exact), "FP8 gradients"
     assert torch.nn.functional.cosine_similarity(weight, exact, dim=0) > 0.99
-    with pytest.raises(ValueError, match=r"forward_in_fp8: false.*row"):
-        Fp8Recipe(forward_in_fp8=False, format="e4m3", scaling="rowwise")
 
 
 def test_a_head_whose_forward_stays_in_high_precision_is_not_stored_in_fp8():
@@ -157,9 +160,36 @@ def test_a_head_whose_forward_stays_in_high_precision_is_not_stored_in_fp8():
     assert any("whose forward runs in high precision" in note for note in report.notes)
 
 
-def test_convert_lm_head_backward_needs_tensorwise_or_block_scaling():
-    with pytest.raises(ValueError, match=r"convert_lm_head: backward .* scaling 'rowwise'.*'current' or 'bl"):
-        Fp8Recipe(convert_lm_head="backward", scaling="rowwise", format="e4m3")
+def test_head_scaling_scales_the_head_alone_and_stays_through_recipe_changes():
+    """``head_scaling``: the converted head (here tied to the embeddings) runs under its own scaling, in
+    E4M3, the other layers under the recipe's; the report says so, and a later recipe change (the NaN
+    guard's margin, a checkpoint's) keeps the head's scaling."""
+    model = tm.build("gemma")
+    recipe = Fp8Recipe(convert_lm_head="backward", head_scaling="rowwise")
+    report = patch_model(model, recipe)
+    head = model.lm_head
+    assert (head.recipe.scaling, head.recipe.format) == ("rowwise", "e4m3") and not head.forward_in_fp8
+    assert head.weight is model.model.embed_tokens.weight
+    others = {(m.recipe.scaling, m.recipe.format) for m in model.modules() if isinstance(m, Fp8Linear)} - {
+        ("rowwise", "e4m3")
+    }
+    assert others == {("delayed", "hybrid")}
+    assert any("head_scaling 'rowwise'" in note for note in report.notes), report.notes
+    batch = tm.batch_for("gemma", 16, seed=0)
+    with ScaledMmCalls() as calls:
+        model(**batch).loss.backward()
+    assert (torch.float8_e4m3fn, torch.float8_e4m3fn) in calls.calls, "the head's row-wise GEMMs"
+    set_recipe(model, recipe.replace(margin=1))
+    assert head.recipe == recipe.replace(margin=1).head_recipe and head.recipe.margin == 1
+    assert model.model.layers[0].mlp.up_proj.recipe == recipe.replace(margin=1)
+
+
+def test_head_scaling_needs_a_converted_head():
+    with pytest.raises(ValueError, match=r"head_scaling 'block' .*convert_lm_head: false .*unset head_sc"):
+        Fp8Recipe(head_scaling="block")
+    assert Fp8Recipe(convert_lm_head=True, head_scaling="block").head_recipe.format == "e4m3"
+    rowwise = Fp8Recipe(convert_lm_head="backward", scaling="rowwise", format="e4m3")
+    assert rowwise.head_recipe is rowwise, "row-wise scaling keeps a head whose forward stays in BF16"
 
 
 def test_shared_module_is_converted_once_and_stays_shared():

@@ -71,6 +71,9 @@ def test_fp8_all_gather_without_fsdp_trains_as_without_and_comes_back_plain():
     patch_model(models[0], backend="native")
     report = patch_model(models[1], Fp8Recipe(fp8_all_gather=True), backend="native")
     assert "fp8_all_gather: 14 weight(s) are all-gathered in FP8 under FSDP2" in report.notes
+    head_in_tiles = Fp8Recipe(fp8_all_gather=True, convert_lm_head=True, head_scaling="block")
+    notes = patch_model(tm.build("llama"), head_in_tiles, backend="native").notes
+    assert any(n.startswith("fp8_all_gather: 14 weight(s)") and "block or row" in n for n in notes), notes
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     batch = tm.batch_for("llama", 32)
     for _ in range(3):

@@ -32,6 +32,11 @@ def to_te_recipe(recipe: Fp8Recipe):
             "convert_lm_head: backward (the head's forward GEMM in high precision, its backward in FP8) has "
             "no Transformer Engine module; use backend='native', or convert_lm_head: true / false"
         )
+    if recipe.head_scaling is not None:
+        raise ValueError(
+            f"head_scaling {recipe.head_scaling!r} (the output head scaled unlike the other layers) has no "
+            "Transformer Engine recipe; use backend='native', or leave head_scaling unset"
+        )
     if recipe.format == "e5m2":
         raise ValueError(
             "format 'e5m2' (E5M2 for every tensor) has no Transformer Engine recipe; use 'hybrid' or 'e4m3', "
