@@ -9,8 +9,9 @@ again, so its casts and GEMMs run on local tensors. The amaxes of sharded tensor
 the step's end reduces every amax over the ranks (a MAX over the world group), so every rank scales by
 the whole tensor's amax from the second step on, as FSDP2's shards do.
 
-Column-wise and row-wise linear layers convert; a layer of another style (``colwise_gather_output``,
-packed or expert styles) is refused before anything changes, and so are the recipe keys a sharded
+Column-wise and row-wise linear layers convert (the output head's ``colwise_gather_output`` too: a
+column-wise layer whose outputs transformers gathers after it); a layer of another style (packed or
+expert styles) is refused before anything changes, and so are the recipe keys a sharded
 weight cannot keep (``fp8_all_gather``, ``fp8_weights``). A model that transformers sharded with FSDP2 as
 well (``DistributedConfig(tp_size=..., fsdp_size=...)``: FSDP2 x TP) keeps its tensor-parallel layouts
 the same way, over the mesh dimension besides FSDP2's (see :mod:`hf_fp8.patching.fsdp_first` for the

@@ -198,12 +198,12 @@ def test_a_compiled_block_casts_each_shared_input_once():
 
 
 def test_with_forwards_in_high_precision_a_compiled_block_casts_each_input_once_for_the_weight_gradients():
-    """``backward-fp8`` casts each layer's input for its weight gradient (the partitioner may move the
-    cast into the backward), each weight and each gradient: 4 + 7 + 7 casts a block, in the first step's
-    graph and in the steady state's, where q/k/v's and gate/up's inputs cast with one scale (21 casts
-    before they did)."""
+    """Forwards in high precision (``forward_in_fp8: false``, ``backward-fp8``'s blocks) cast each layer's
+    input for its weight gradient (the partitioner may move the cast into the backward), each weight and
+    each gradient: 4 + 7 + 7 casts a block, in the first step's graph and in the steady state's, where
+    q/k/v's and gate/up's inputs cast with one scale (21 casts before they did)."""
     model = tm.build("llama")
-    hf_fp8.patch_model(model, "backward-fp8")
+    hf_fp8.patch_model(model, Fp8Recipe(forward_in_fp8=False))  # the head in high precision: no casts
     backward: list[int] = []
     forward = fp8_casts_per_forward_graph(model, steps=3, backward=backward)
     # compiled in this order: forwards of the first step's block, the head's, the steady block's;
