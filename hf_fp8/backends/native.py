@@ -96,12 +96,12 @@ class NativeBackend(Fp8Backend):
         self.names, self.layers = [n for n, _ in named], [m for _, m in named]
         self.shared_inputs = SharedInputCasts(named)
         self.heads = [head for head in output_head_layers(model) if isinstance(head, Fp8Module)]
+        head_recipe = self.recipe.head_recipe  # one object for every head: their state advances together
         for head in self.heads:
-            head.recipe = self.recipe.head_recipe
+            head.recipe = head_recipe
             if not head.forward_in_fp8:  # convert_lm_head: backward
                 head.output_head = True
         if self.heads and self.recipe.head_scaling is not None:
-            head_recipe = self.recipe.head_recipe
             report.notes.append(
                 f"the output head runs under head_scaling {head_recipe.scaling!r} (format "
                 f"{head_recipe.format!r}); every other layer under scaling {self.recipe.scaling!r}"
