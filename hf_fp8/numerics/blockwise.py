@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.cuda_copies import triton_installed
 from hf_fp8.numerics.gemm import GemmConfig, in_dtype, pad_rows
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
 __all__ = [
     "BLOCK",
@@ -274,12 +274,12 @@ class _BlockFp8Linear(torch.autograd.Function):
         else:  # as F.linear (the output head's logits; any layer under forward_in_fp8: false)
             dtype = config.out_dtype
             out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-            x_amax = _amax(x)
+            x_amax = tensor_amax(x)
             ctx.save_for_backward(x, weight, None)
         if record:
             record_amax(amax_history, scale, INPUT, x_amax, fmt, margin)
             if stored is None:  # a stored weight's scales were taken when it was stored
-                record_amax(amax_history, scale, WEIGHT, _amax(weight), fmt, margin)
+                record_amax(amax_history, scale, WEIGHT, tensor_amax(weight), fmt, margin)
         # the backward records into the layer's backward record, never into its state
         ctx.backward_record = BackwardRecord(backward_amax, backward_scale, None)
         ctx.record, ctx.config = record, config
@@ -316,12 +316,8 @@ class _BlockFp8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(dim=0)
         if ctx.record:
-            dy_amax = _amax(dy) if dy_amax is None else dy_amax
+            dy_amax = tensor_amax(dy) if dy_amax is None else dy_amax
             record_amax(
                 ctx.backward_record.amax, ctx.backward_record.scale, GRAD_OUTPUT, dy_amax, fmt, margin
             )
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
-
-
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()

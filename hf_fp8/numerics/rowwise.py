@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
-from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax
+from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
 __all__ = ["rowwise_linear"]
 
@@ -92,7 +92,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
                 out = out + bias.to(dtype)
         else:  # as F.linear (the output head's logits; any layer under forward_in_fp8: false)
             out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-            x_amax, w_amax = _amax(x), _amax(weight)
+            x_amax, w_amax = tensor_amax(x), tensor_amax(weight)
         if record:
             record_amax(amax_history, scale, INPUT, x_amax, fmt, config.margin)
             record_amax(amax_history, scale, WEIGHT, w_amax, fmt, config.margin)
@@ -116,7 +116,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             # the right operand (out, in) column-major: W.T row-major
             grad_x = _mm(dy_fp8.contiguous(), w_fp8.t().contiguous().t(), dy_scales, w_scales, x.dtype)
         else:
-            dy_amax = _amax(dy)
+            dy_amax = tensor_amax(dy)
         if ctx.needs_input_grad[1]:
             if ctx.gw_in_fp8:
                 dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
@@ -146,7 +146,3 @@ def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.d
     is cast to ``out_dtype``."""
     kernel_dtype = torch.bfloat16 if a.is_cuda else out_dtype
     return in_dtype(fp8_mm(a, b, a_scales.reciprocal(), b_scales.reciprocal(), kernel_dtype), out_dtype)
-
-
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()

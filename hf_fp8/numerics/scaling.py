@@ -31,6 +31,7 @@ __all__ = [
     "advance_steps",
     "read_stored_scale",
     "record_amax",
+    "tensor_amax",
 ]
 
 # Rows of a layer's ``amax_history`` and entries of its ``scale``.
@@ -53,6 +54,11 @@ def read_stored_scale(scale: torch.Tensor, role: int, stored: bool) -> torch.Ten
     """Role ``role``'s stored scale as a float32 copy (not a view: the buffer changes in place), or
     ``None`` where the role has none stored (it casts with its own amax)."""
     return scale[role].to(torch.float32, copy=True) if stored else None
+
+
+def tensor_amax(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s amax in float32, outside autograd: what a role records of a tensor it casts by parts."""
+    return t.detach().abs().amax().float()
 
 
 def record_amax(
