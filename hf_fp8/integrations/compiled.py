@@ -62,12 +62,17 @@ __all__ = ["compile_model", "compiles_by_default"]
 _COMPILED = "_hf_fp8_compiled"  # set on a model once: compiling it again changes nothing
 
 
-def compile_model(model: nn.Module, **options: Any) -> nn.Module:
+def compile_model(model: nn.Module, *, logits_dtype: torch.dtype | None = None, **options: Any) -> nn.Module:
     """Compile ``model``'s repeated blocks, the FP8 layers outside them, and what a causal LM computes
     after its decoder (head, logit transforms, loss; else the loss function alone) in place, and return
     ``model``.
 
-    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...). Call it
+    ``options`` go to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``backend``, ...).
+    ``logits_dtype``: the dtype of the logits a causal LM's training forward returns when it computed
+    its loss, written by the loss's own kernel: ``torch.float32`` where every forward's outputs are
+    converted to float32 anyway (Accelerate's ``bf16`` or ``fp16`` mixed precision, the Trainer's
+    ``bf16=True``; the Trainer callback and ``prepare_fp8`` pass it then); ``None`` keeps the model's
+    dtype. Call it
     after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
     parameters and its ``state_dict`` keys. Under DeepSpeed ZeRO-3, call it before
@@ -106,7 +111,7 @@ def compile_model(model: nn.Module, **options: Any) -> nn.Module:
             hf_model.register_forward_pre_hook(_give_packed_boundaries, with_kwargs=True)
     if wants_cuda_graphs(options):
         add_graph_steps(hf_model if hf_model is not None else model)
-    if hf_model is None or not _compile_head(hf_model, blocks, options):
+    if hf_model is None or not _compile_head(hf_model, blocks, options, logits_dtype):
         owner = next((m for m in model.modules() if "loss_function" in dir(type(m))), None)
         if owner is not None and callable(owner.loss_function):
             owner.loss_function = torch.compile(owner.loss_function, **options)
@@ -135,7 +140,9 @@ def compiles_by_default(model: nn.Module, device: torch.device, sharded: bool) -
     return device.type == "cuda" and gpu_has_fp8(device)
 
 
-def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[str, Any]) -> bool:
+def _compile_head(
+    hf_model: nn.Module, blocks: list[nn.Module], options: dict[str, Any], logits_dtype: torch.dtype | None
+) -> bool:
     """Compile what the causal LM computes after its decoder as one graph: the output head, whatever
     the model does to the logits (Gemma-2's soft-capping, Granite's scaling) and the loss (transformers'
     causal LM loss as :func:`~hf_fp8.integrations.causal_lm_loss.causal_lm_loss`: the same values, with
@@ -173,7 +180,7 @@ def _compile_head(hf_model: nn.Module, blocks: list[nn.Module], options: dict[st
     head_options = {**options, "fullgraph": False}
     decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)
     if _has_language_head(hf_model):
-        head_forward = compile_with_detached_logits(type(hf_model).forward, **head_options)
+        head_forward = compile_with_detached_logits(type(hf_model).forward, logits_dtype, **head_options)
     else:  # a classifier's logits are small: they keep their gradient
         head_forward = torch.compile(type(hf_model).forward, **head_options)
     hf_model.forward = types.MethodType(head_forward, hf_model)

@@ -42,6 +42,7 @@ from hf_fp8.integrations.training_arguments import (
     generates,
     log_due,
     logging_strategy,
+    logits_dtype_for,
     resume_candidates,
     saved_checkpoint,
     should_compile,
@@ -185,7 +186,7 @@ class Fp8TrainerCallback(TrainerCallback):
                 "decodes several times slower than an eager one (Fp8TrainerCallback(compile=True) compiles)"
             )
         if compiles:
-            compile_model(model)
+            compile_model(model, logits_dtype=logits_dtype_for(args))
             self.report.add_note("compiled block by block (hf_fp8.compile) by Fp8TrainerCallback")
         sampled = self.sample_layers if self.sample_layers is not None else (0 if compiles else 8)
         if compiles and sampled == 0 and self.sample_layers is None:

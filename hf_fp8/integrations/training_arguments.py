@@ -34,6 +34,7 @@ __all__ = [
     "generates",
     "log_due",
     "logging_strategy",
+    "logits_dtype_for",
     "resume_candidates",
     "saved_checkpoint",
     "should_compile",
@@ -90,6 +91,15 @@ def compiles_by_default_for(args: Any, model: nn.Module) -> bool:
     sharded = bool(getattr(args, "fsdp", None)) or under_deepspeed(args)
     device = getattr(args, "device", None) or next(model.parameters()).device
     return compiles_by_default(model, device, sharded)
+
+
+def logits_dtype_for(args: Any) -> torch.dtype | None:
+    """The dtype the compiled model returns its training logits in (``hf_fp8.compile``'s
+    ``logits_dtype``): float32 where the Trainer's Accelerator converts every forward's half-precision
+    outputs to float32 anyway (its ``bf16`` or ``fp16`` mixed precision, outside DeepSpeed), so that
+    the loss's kernel writes them instead of a pass of their own; else the model's dtype."""
+    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    return torch.float32 if mixed and not under_deepspeed(args) else None
 
 
 def generates(args: Any) -> bool:

@@ -3,6 +3,7 @@ Shakespeare's text (bytes as tokens)."""
 
 import shutil
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import tiny_models as tm
@@ -31,6 +32,7 @@ from hf_fp8 import (
 from hf_fp8.backends.registry import backend_for_fsdp
 from hf_fp8.backends.te import recomputes_activations
 from hf_fp8.integrations.checkpoint import FP8_STATE_FILE, fp8_state_dict
+from hf_fp8.integrations.training_arguments import logits_dtype_for
 from hf_fp8.layers.linear import Fp8Linear
 from hf_fp8.patching.patch_state import get_state
 
@@ -368,3 +370,20 @@ def test_the_callback_stays_eager_on_the_cpu(compile, text_rows, tmp_path):
         )
     assert callback.report.converted and not any("compiled" in note for note in callback.report.notes)
     assert all(block._compiled_call_impl is None for block in trainer.model.model.layers)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"bf16": True}, torch.float32),  # the Trainer's Accelerator converts every output to float32
+        ({"fp16": True}, torch.float32),
+        ({}, None),
+        ({"bf16": True, "deepspeed": {"zero_optimization": {"stage": 2}}}, None),  # DeepSpeed: no conversion
+    ],
+)
+def test_the_callback_compiles_for_float32_logits_where_the_trainer_converts_them(options, expected):
+    """Under mixed precision, Accelerate converts each forward's half-precision outputs to float32 (a
+    pass over the logits, 3.1 ms of a 115 ms step at the 8b-4l shape): the callback has the compiled
+    graph hand them over in float32, converted by the loss's own kernel."""
+    args = SimpleNamespace(**{"bf16": False, "fp16": False, "deepspeed": None, **options})
+    assert logits_dtype_for(args) is expected

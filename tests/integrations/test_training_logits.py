@@ -77,3 +77,24 @@ def test_a_classifiers_logits_keep_their_gradient():
         (out.loss + out.logits.square().mean()).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_logits_leave_in_float32_when_asked_and_train_as_before():
+    """Accelerate's mixed precision converts every forward's outputs to float32: with
+    ``logits_dtype=torch.float32`` the graph hands them over converted (the conversion is then no pass
+    of its own), the same values, and the loss's gradients are the ones without it."""
+    torch._dynamo.reset()
+    model = tm.build("llama", dtype=torch.bfloat16)
+    as_is = copy.deepcopy(model)
+    hf_fp8.compile(model, logits_dtype=torch.float32, backend="aot_eager")
+    hf_fp8.compile(as_is, backend="aot_eager")
+    batch = tm.batch_for("llama", 32)
+    out, kept = model(**batch), as_is(**batch)
+    assert (out.logits.dtype, kept.logits.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(out.logits, kept.logits.float(), rtol=0, atol=0)
+    out.loss.backward()
+    kept.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), as_is.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(RuntimeError, match="without labels"):
+        out.logits.logsumexp(-1).mean().backward()
