@@ -72,7 +72,7 @@ def compile_model(model: nn.Module, *, logits_dtype: torch.dtype | None = None, 
     its loss, written by the loss's own kernel: ``torch.float32`` where every forward's outputs are
     converted to float32 anyway (Accelerate's ``bf16`` or ``fp16`` mixed precision, the Trainer's
     ``bf16=True``; the Trainer callback and ``prepare_fp8`` pass it then); ``None`` keeps the model's
-    dtype. Call it
+    dtype, as does a model whose head does not compile as one graph with its loss. Call it
     after ``patch_model`` (also fine on an unpatched model, as a BF16 baseline) and before training.
     Like ``torch.compile``'s ``Module.compile`` it is not undone; the model keeps its classes, its
     parameters and its ``state_dict`` keys. Under DeepSpeed ZeRO-3, call it before

@@ -69,7 +69,7 @@ def prepare_fp8(
     report = patch_or_recheck(model, recipe, backend=backend)
     sharded = distributed in ("FSDP", "DEEPSPEED")
     if compile or (compile is None and compiles_by_default(model, torch.device(accelerator.device), sharded)):
-        # Accelerate's mixed precision converts each forward's outputs to float32: the graph writes them so
+        # Accelerate's mixed precision converts each forward's outputs to float32: let the graph do it
         converts = getattr(accelerator, "native_amp", False)
         compile_model(model, logits_dtype=torch.float32 if converts else None)
         report.add_note("compiled block by block (hf_fp8.compile) by prepare_fp8")
