@@ -381,9 +381,10 @@ def test_the_callback_stays_eager_on_the_cpu(compile, text_rows, tmp_path):
         ({"bf16": True, "deepspeed": {"zero_optimization": {"stage": 2}}}, None),  # DeepSpeed: no conversion
     ],
 )
-def test_the_callback_compiles_for_float32_logits_where_the_trainer_converts_them(options, expected):
+def test_the_logits_dtype_the_callback_compiles_with_is_float32_where_the_trainer_converts(options, expected):
     """Under mixed precision, Accelerate converts each forward's half-precision outputs to float32 (a
-    pass over the logits, 3.1 ms of a 115 ms step at the 8b-4l shape): the callback has the compiled
-    graph hand them over in float32, converted by the loss's own kernel."""
+    pass over the logits, 3.1 ms of a 115 ms step at the 8b-4l shape): the rule the callback compiles
+    with asks the graph for float32 logits there, converted by the loss's own kernel. (The callback
+    compiles on FP8 GPUs only; this checks the rule, not a compiled Trainer step.)"""
     args = SimpleNamespace(**{"bf16": False, "fp16": False, "deepspeed": None, **options})
     assert logits_dtype_for(args) is expected
