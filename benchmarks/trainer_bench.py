@@ -134,7 +134,9 @@ def trainer_row(mode: str, args: argparse.Namespace) -> dict:
     profiled = args.profile or args.phases or args.host_profile
     step_s = statistics.median(timed[2:] if profiled else timed)  # not the profiled steps
     result = row(mode, args, step_s, total_s - sum(timed), losses[-3:])
-    extra = {"gpu_ms": timer.gpu_ms} if timer.gpu_ms else {}
+    extra = {"first_steps_s": [round(t, 2) for t in timer.times[: args.warmup]]}
+    if timer.gpu_ms:
+        extra["gpu_ms"] = timer.gpu_ms
     if tracer is not None and tracer.result is not None:
         extra["phases"] = tracer.result
     if host is not None and host.result is not None:

@@ -15,10 +15,11 @@ sequences (TRL's padding-free batches) one by one, on variable-length flash atte
 through a mask over the whole row (see :mod:`hf_fp8.integrations.packed_attention`).
 
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
-amax: its graph is compiled too, and the block compiles once more for the steady state (a Python flag
-per layer says which, never a branch on tensor values). An eager first step would need more memory
-than every later one (8B shape under FSDP2 on two H200s: 69.1 GiB a GPU against 61.6), and a run
-must hold its first step.
+amax: a graph of its own (a Python flag per layer says which, never a branch on tensor values), run by
+that step alone. The blocks compile it with AOTAutograd and no code generation (the ``aot_eager``
+backend): it keeps for the backward what a compiled step keeps, as the same partitioner chooses it, so
+the first step holds no more memory than the later ones (an eager one would: 8B shape under FSDP2 on two
+H200s, 69.1 GiB a GPU against 61.6), and the warm-up pays Inductor once, for the steady state.
 
 A KV cache makes each block's graph depend on its layer index: one recompilation per layer, until
 ``torch.compile`` gives up on the block code and runs every later call eagerly, training included.
@@ -178,13 +179,43 @@ def _compile_head(
         hf_model.loss_function = loss_function
     # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
     head_options = {**options, "fullgraph": False}
-    decoder.forward = types.MethodType(torch.compiler.disable(type(decoder).forward), decoder)
+    decoder_forward = _first_step_uncompiled(type(decoder).forward, _delayed_layers(blocks), hf_model)
+    decoder.forward = types.MethodType(torch.compiler.disable(decoder_forward), decoder)
     if _has_language_head(hf_model):
         head_forward = compile_with_detached_logits(type(hf_model).forward, logits_dtype, **head_options)
     else:  # a classifier's logits are small: they keep their gradient
         head_forward = torch.compile(type(hf_model).forward, **head_options)
     hf_model.forward = types.MethodType(head_forward, hf_model)
     return True
+
+
+_FIRST_STEP_BACKEND = "aot_eager"  # see the module docstring
+
+
+def _delayed_layers(blocks: list[nn.Module]) -> list[Fp8Scaled]:
+    """The blocks' FP8 layers that scale with delayed scaling (whose first step has a graph of its own)."""
+    layers = (m for block in blocks for m in block.modules() if isinstance(m, Fp8Scaled))
+    return [m for m in layers if m.recipe.scaling == "delayed"]
+
+
+def _before_first_step(layers: list[Fp8Scaled]) -> bool:
+    """Whether none of ``layers`` has a stored scale yet: a run's first step (or a state saved before
+    it)."""
+    return bool(layers) and not any(any(m.stored_scale_roles()) for m in layers)
+
+
+def _first_step_uncompiled(forward: Any, layers: list[Fp8Scaled], hf_model: nn.Module) -> Any:
+    """``forward`` (the decoder's) running its blocks' first training step on the ``aot_eager`` backend
+    (see the module docstring); a forward routed to eager execution stays eager."""
+
+    def decoder_forward(decoder: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        cheap = is_training_forward(decoder) and not _runs_eagerly(hf_model) and _before_first_step(layers)
+        if not cheap:
+            return forward(decoder, *args, **kwargs)
+        with torch.compiler.set_stance("default", force_backend=_FIRST_STEP_BACKEND):
+            return forward(decoder, *args, **kwargs)
+
+    return decoder_forward
 
 
 def _has_language_head(hf_model: nn.Module) -> bool:
@@ -238,6 +269,12 @@ def _give_packed_boundaries(model: nn.Module, args: tuple, kwargs: dict) -> tupl
     """Before the HF model's forward: a packed row's sequence boundaries for its attention."""
     extra = boundaries_for(kwargs)
     return (args, {**kwargs, **extra}) if extra else None
+
+
+def _runs_eagerly(model: nn.Module) -> bool:
+    """Whether the HF model's forward now running was routed to eager execution (``_route_cache``)."""
+    calls = model.__dict__.get(_EAGER_CALLS)
+    return bool(calls) and not isinstance(calls[-1], contextlib.nullcontext)
 
 
 def _leave_eager(model: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:

@@ -68,6 +68,28 @@ def test_compiled_blocks_train_exactly_as_eager_and_compile_once_per_kind_of_ste
             )
 
 
+def test_the_first_step_under_delayed_scaling_compiles_its_blocks_without_the_callers_backend():
+    """The first step's graph runs once: the blocks compile it on AOTAutograd alone (``aot_eager``);
+    the caller's backend compiles one block graph, the steady state's. The losses are eager's."""
+    torch._dynamo.reset()
+    eager = llama()
+    hf_fp8.patch_model(eager, hf_fp8.Fp8Recipe(scaling="delayed"))
+    compiled = copy.deepcopy(eager)
+    tm.with_compiled_loss(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    hf_fp8.compile(compiled, backend=counter)
+
+    def block_graphs() -> int:
+        return sum("silu" in node_names(g) for g in counter.graphs)
+
+    reference = train(eager, steps=3)
+    losses = train(compiled, steps=1)
+    assert block_graphs() == 0
+    losses += train(compiled, steps=2, first_seed=1)
+    assert block_graphs() == 1
+    assert losses == reference
+
+
 def test_a_converted_head_compiles_on_its_own_and_trains_exactly_as_eager():
     """The output head lies outside the blocks: under ``convert_lm_head`` it is compiled by itself (its
     casts fused), with the same numerics as eager."""
