@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 __all__ = [
+    "BLOCK_SCALINGS",
     "ENV_VARS",
     "MAX_MARGIN",
     "AmaxComputeAlgo",
@@ -25,7 +26,9 @@ __all__ = [
 ]
 
 FormatName = Literal["hybrid", "e4m3", "e5m2"]
-Scaling = Literal["delayed", "current", "rowwise", "rowwise_gw_hp", "block"]
+Scaling = Literal["delayed", "current", "rowwise", "rowwise_gw_hp", "block", "block_gw_rowwise"]
+# Scalings that cast weights in 128x128 blocks and activations and gradients in 1x128 tiles.
+BLOCK_SCALINGS = ("block", "block_gw_rowwise")
 AmaxComputeAlgo = Literal["max", "most_recent"]
 NanPolicy = Literal["raise", "skip_step", "increase_margin"]
 
@@ -44,7 +47,7 @@ _INTERVAL_WHY = "scales that are never recomputed stop following the tensors; us
 def e4m3_only(scaling: Scaling) -> bool:
     """Whether ``scaling``'s GEMMs take E4M3 operands only (cuBLAS's row-wise kernels; DeepSeek-style
     blocks)."""
-    return scaling in ("rowwise", "rowwise_gw_hp", "block")
+    return scaling in ("rowwise", "rowwise_gw_hp", *BLOCK_SCALINGS)
 
 
 def validate_field(name: str, value: Any) -> Any:

@@ -153,7 +153,7 @@ class NativeBackend(Fp8Backend):
         in the report, since compiled code does not warn (a warning would break its graph)."""
         notes = []
         devices = {p.device for layer in self.layers for p in layer.parameters(recurse=False)}
-        in_blocks = any(layer.recipe.scaling == "block" for layer in self.layers)
+        in_blocks = any(layer.recipe.in_blocks for layer in self.layers)
         if in_blocks and not all(block_kernels_available(d) for d in devices):
             notes.append(f"{EMULATED} (the model is on {', '.join(sorted(str(d) for d in devices))})")
         if self.recipe.format == "e5m2":

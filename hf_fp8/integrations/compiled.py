@@ -16,10 +16,11 @@ through a mask over the whole row (see :mod:`hf_fp8.integrations.packed_attentio
 
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
 amax: a graph of its own (a Python flag per layer says which, never a branch on tensor values), run by
-that step alone. The blocks compile it with AOTAutograd and no code generation (the ``aot_eager``
-backend): it keeps for the backward what a compiled step keeps, as the same partitioner chooses it, so
-the first step holds no more memory than the later ones (an eager one would: 8B shape under FSDP2 on two
-H200s, 69.1 GiB a GPU against 61.6), and the warm-up pays Inductor once, for the steady state.
+that step alone. Where Inductor compiles (the default backend), the blocks compile that graph with
+AOTAutograd and no code generation (the ``aot_eager`` backend). It keeps for the backward what a
+compiled step keeps, as the same partitioner chooses it, so the first step holds no more memory than the
+later ones (an eager one would: 8B shape under FSDP2 on two H200s, 69.1 GiB a GPU against 61.6); and
+the warm-up pays for Inductor's code once, for the steady state's graph.
 
 A KV cache makes each block's graph depend on its layer index: one recompilation per layer, until
 ``torch.compile`` gives up on the block code and runs every later call eagerly, training included.
@@ -179,7 +180,8 @@ def _compile_head(
         hf_model.loss_function = loss_function
     # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
     head_options = {**options, "fullgraph": False}
-    decoder_forward = _first_step_uncompiled(type(decoder).forward, _delayed_layers(blocks), hf_model)
+    first_steps = _delayed_layers(blocks) if options.get("backend", "inductor") == "inductor" else []
+    decoder_forward = _first_step_uncompiled(type(decoder).forward, first_steps, hf_model)
     decoder.forward = types.MethodType(torch.compiler.disable(decoder_forward), decoder)
     if _has_language_head(hf_model):
         head_forward = compile_with_detached_logits(type(hf_model).forward, logits_dtype, **head_options)

@@ -137,7 +137,7 @@ def load_fp8_checkpoint(
     count = _fill(model, folder, device, store, recipe.margin)
     model.to(device).eval()  # the buffers; every parameter is there already
     report = patch_model(model, recipe, backend=backend)
-    requantize = recipe.scaling != "block"  # the recipe stores weights with one scale: these too
+    requantize = not recipe.in_blocks  # the recipe stores weights with one scale: these too
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not is_fp8_module(module):

@@ -109,7 +109,7 @@ class Fp8Module(Fp8Scaled):
                 "copy); freeze it first (requires_grad=False), or leave fp8_weights off"
             )
         recipe = self.recipe
-        in_blocks = recipe.scaling == "block"
+        in_blocks = recipe.in_blocks
         stored = Fp8StoredWeight.quantize(self.weight, recipe.forward_format, recipe.margin, in_blocks)
         torch.utils.swap_tensors(self.weight, nn.Parameter(stored, requires_grad=False))
         if not in_blocks:
@@ -173,7 +173,7 @@ class Fp8Module(Fp8Scaled):
         """``x @ W.T + bias`` in FP8, for the weight stored as W (out, in), or as W.T when ``transposed``."""
         stored, gathered = self.weight_in_fp8, isinstance(self.weight, Fp8GatheredWeight)
         scaling = self.recipe.scaling
-        if stored and self.weight.in_blocks and scaling != "block":
+        if stored and self.weight.in_blocks and not self.recipe.in_blocks:
             stored = False  # stored in blocks (from a fine-grained checkpoint): cast from its values
         if stored and self.weight.requires_grad:
             raise RuntimeError(
@@ -196,13 +196,14 @@ class Fp8Module(Fp8Scaled):
         # amax histories alone.
         record = self.training and torch.is_grad_enabled()
         with torch.autocast(device_type, enabled=False):
-            if scaling == "block":
+            if self.recipe.in_blocks:
                 stored_blocks = None
                 if stored:  # its values and block scales as they are (transposed with the weight)
                     data, scales = self.weight._data, self.weight._scale
                     stored_blocks = (data.t().contiguous(), scales.t()) if transposed else (data, scales)
                 scaling = (self.amax_history, self.scale, self.backward_record())
-                return block_linear(x, weight, bias, *scaling, record, config, stored_blocks)
+                gw_rowwise = self.recipe.scaling == "block_gw_rowwise"
+                return block_linear(x, weight, bias, *scaling, record, config, stored_blocks, gw_rowwise)
             if scaling in ("rowwise", "rowwise_gw_hp"):  # cast from the weight's own values
                 plain = self.dequantized_weight()
                 plain = plain.t() if transposed else plain

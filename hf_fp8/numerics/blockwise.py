@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.cuda_copies import triton_installed
 from hf_fp8.numerics.gemm import GemmConfig, in_dtype, pad_rows
+from hf_fp8.numerics.rowwise import rowwise_weight_gradient
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
 __all__ = [
@@ -67,9 +68,12 @@ def block_linear(
     record: bool,
     config: GemmConfig,
     stored: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gw_rowwise: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with block-scaled FP8 operands (see the module docstring). ``stored`` is
-    a frozen weight already in FP8: its values and 128x128 block scales, used as they are."""
+    a frozen weight already in FP8: its values and 128x128 block scales, used as they are.
+    ``gw_rowwise``: the weight gradient's operands scaled per feature over the tokens instead (the
+    recipe's ``block_gw_rowwise``)."""
     out = _BlockFp8Linear.apply(
         x.reshape(-1, x.shape[-1]),
         weight,
@@ -81,6 +85,7 @@ def block_linear(
         record,
         config,
         stored,
+        gw_rowwise,
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -262,6 +267,7 @@ class _BlockFp8Linear(torch.autograd.Function):
         record,
         config: GemmConfig,
         stored,
+        gw_rowwise: bool,
     ):
         fmt, margin = config.forward_format, config.margin
         if config.forward_in_fp8:
@@ -282,7 +288,7 @@ class _BlockFp8Linear(torch.autograd.Function):
                 record_amax(amax_history, scale, WEIGHT, tensor_amax(weight), fmt, margin)
         # the backward records into the layer's backward record, never into its state
         ctx.backward_record = BackwardRecord(backward_amax, backward_scale, None)
-        ctx.record, ctx.config = record, config
+        ctx.record, ctx.config, ctx.gw_rowwise = record, config, gw_rowwise
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         return out
 
@@ -294,7 +300,9 @@ class _BlockFp8Linear(torch.autograd.Function):
         dy = grad_output
         grad_x = grad_w = grad_bias = None
         dy_fp8 = dy_scales = dy_amax = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.gw_rowwise:
+            grad_w = rowwise_weight_gradient(dy, x, fmt, config.forward_format, margin, ctx.weight_dtype)
+        elif ctx.needs_input_grad[1]:
             # over the tokens (zero rows up to a multiple of 16 add nothing): 128 tokens of one feature
             dy_fp8, dy_scales, dy_t_fp8, dy_t_scales, dy_amax = cast_tiles_transposed(
                 dy, fmt, margin, with_rows=ctx.needs_input_grad[0]
@@ -320,4 +328,4 @@ class _BlockFp8Linear(torch.autograd.Function):
             record_amax(
                 ctx.backward_record.amax, ctx.backward_record.scale, GRAD_OUTPUT, dy_amax, fmt, margin
             )
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None

@@ -28,7 +28,7 @@ from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
 from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
-__all__ = ["rowwise_linear"]
+__all__ = ["rowwise_linear", "rowwise_weight_gradient"]
 
 
 def rowwise_linear(
@@ -119,16 +119,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             dy_amax = tensor_amax(dy)
         if ctx.needs_input_grad[1]:
             if ctx.gw_in_fp8:
-                dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
-                dy_fp8, dy_scales, _ = cast_rows(dy_t, fmt, margin)  # per output feature, over tokens
-                x_fp8, x_scales, _ = cast_rows(x_t, config.forward_format, margin)  # per input feature
-                grad_w = fp8_mm(
-                    dy_fp8.contiguous(),
-                    x_fp8.contiguous().t(),
-                    dy_scales.reciprocal(),
-                    x_scales.t().reciprocal(),
-                    weight.dtype,
-                )
+                grad_w = rowwise_weight_gradient(dy, x, fmt, config.forward_format, margin, weight.dtype)
             else:
                 grad_w = in_dtype(dy.t().to(x.dtype) @ x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -138,6 +129,25 @@ class _RowwiseFp8Linear(torch.autograd.Function):
                 ctx.backward_record.amax, ctx.backward_record.scale, GRAD_OUTPUT, dy_amax, fmt, margin
             )
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+
+
+def rowwise_weight_gradient(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dy_format: Fp8Format,
+    x_format: Fp8Format,
+    margin: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dy.T @ x`` (out, in) in FP8, ``dy`` (tokens, out) scaled per output feature and ``x`` (tokens,
+    in) per input feature, each over the tokens: a feature seen by few tokens (a rare token's row of an
+    output head's gradient) keeps its own range."""
+    dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
+    dy_fp8, dy_scales, _ = cast_rows(dy_t, dy_format, margin)  # per output feature, over tokens
+    x_fp8, x_scales, _ = cast_rows(x_t, x_format, margin)  # per input feature
+    return fp8_mm(
+        dy_fp8.contiguous(), x_fp8.contiguous().t(), dy_scales.reciprocal(), x_scales.t().reciprocal(), dtype
+    )
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:

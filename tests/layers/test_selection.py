@@ -137,7 +137,7 @@ def test_backward_fp8_keeps_every_forward_in_high_precision_and_its_outputs_exac
     reasons = {r.name: r.reason for r in report.records if r.action == "converted"}
     assert reasons.pop("lm_head") == HEAD_FORWARD_KEPT, "the output head's backward in FP8 too"
     assert set(reasons.values()) == {FORWARD_KEPT}
-    assert model.lm_head.recipe.scaling == "block", "its gradient in 1x128 tiles (head_scaling)"
+    assert model.lm_head.recipe.scaling == "block_gw_rowwise", "its gradient in tiles (head_scaling)"
     assert {m.recipe.scaling for m in layers if m is not model.lm_head} == {"delayed"}
     batch = tm.batch_for("llama", 16, seed=0)
     expected, got = reference(**batch), model(**batch)
