@@ -7,11 +7,11 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import forked
 import pytest
 from background_runs import ONE_THREAD, BackgroundRuns, selected_tests
 
@@ -35,14 +35,8 @@ TIMING = ("--warmup", "2", "--steps", "2")
 def bench(script: str, *args: str, env: dict | None = None) -> str:
     """Run a benchmark script (or ``-m module`` with its arguments) in the benchmarks folder."""
     command = [script, *args] if script == "-m" else [str(BENCHMARKS / script), *args]
-    result = subprocess.run(
-        [sys.executable, *command],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-        cwd=BENCHMARKS,
-        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})},
+    result = forked.run(
+        [sys.executable, *command], {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}, BENCHMARKS
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout

@@ -1,4 +1,5 @@
-"""The hf-fp8 command line, run as users run it: the installed console script in a subprocess."""
+"""The hf-fp8 command line, run as users run it: its ``main`` in a process of its own, forked from the
+suite's fork server (see :mod:`forked`); the installed console script itself in one test."""
 
 import json
 import os
@@ -8,24 +9,18 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import tiny_models as tm
 from demo_data import needs_demo_data
+from forked import HF_FP8
 
-HF_FP8 = Path(sys.executable).with_name("hf-fp8")
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/distributed/dist_worker.py"  # a training script, relative to the repository
 
 
 def hf_fp8(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(HF_FP8), *args],
-        capture_output=True,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    return forked.run([str(HF_FP8), *args], cwd=REPO, timeout=timeout)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -38,7 +33,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *expected: str) -
 
 
 def test_env_lists_versions_and_the_backend_choice():
-    result = hf_fp8("env")
+    """Through the installed console script, as a user's shell starts it."""
+    result = subprocess.run(
+        [str(HF_FP8), "env"], capture_output=True, stdin=subprocess.DEVNULL, text=True, timeout=300, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr
     for name in ("torch", "transformers", "accelerate", "peft", "transformer-engine", "backend 'auto'"):
         assert name in result.stdout
@@ -174,13 +172,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, expected):
 
 def test_python_m_demo_reports_bad_options_as_hf_fp8_demo_does():
     for args in (("--seq-len", "1"), ("--device", "tpu")):
-        result = subprocess.run(
-            [sys.executable, "-m", "hf_fp8.apps.demo", *args],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=REPO,
-        )
+        result = forked.run([sys.executable, "-m", "hf_fp8.apps.demo", *args], cwd=REPO, timeout=300)
         assert_one_line_error(result, "demo:", args[0])
 
 

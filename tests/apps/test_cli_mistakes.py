@@ -4,9 +4,9 @@ model or data is loaded.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
+import forked
 import pytest
 from hostile_world import (
     HF_FP8,
@@ -36,13 +36,7 @@ CLI_CASES = [
 @pytest.mark.parametrize("index", range(len(CLI_CASES)))
 def test_command_line_mistakes_are_one_line_and_exit_2(index, tmp_path):
     make_args, expected = CLI_CASES[index]
-    result = subprocess.run(
-        [str(HF_FP8), *make_args(tmp_path)],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=300,
-    )
+    result = forked.run([str(HF_FP8), *make_args(tmp_path)], timeout=300)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1 and lines[0].startswith("hf-fp8: error: ") and expected in lines[0], lines

@@ -1,4 +1,5 @@
-"""Every script in examples/, run as a user runs it (a subprocess), with tiny settings."""
+"""Every script in examples/, run as a user runs it (a process of its own, see :mod:`forked`), with tiny
+settings."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import forked
 import pytest
 from background_runs import ONE_THREAD, BackgroundRuns, selected_tests
 from demo_data import needs_demo_data
@@ -35,15 +37,7 @@ LAYER_NAMES |= {f"model.layers.{i}.mlp.down_proj" for i in range(30)}
 def example(
     name: str, *args: str, env: dict | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-    )
+    return forked.run([sys.executable, str(EXAMPLES / name), *args], {**os.environ, **(env or {})}, cwd)
 
 
 def ok(result: subprocess.CompletedProcess) -> str:

@@ -4,22 +4,19 @@ the rendezvous variables torchrun would give it, side by side on the loopback in
 The ranks are started directly rather than under torchrun: its agent now and then never started the
 second worker on the 2-core CI machine, and the agent is not what these tests are about.
 
-A worker script's rank is forked from a fork server that has imported torch and transformers once:
-each fresh interpreter spent 10-13 s of CPU on those imports alone on a 2-core AVX2 EPYC, and the suite
-starts a hundred ranks. The fork then runs the script as ``python script args`` would (its folder first
-on ``sys.path``, ``__name__ == "__main__"``, the rank's environment, its output to the log). Other
-commands (``hf-fp8 launch``, torchrun) start as processes of their own."""
+A worker script's rank is forked from the suite's fork server (see :mod:`forked`), as ``python script
+args`` would run it, with the rank's environment and its output to the log. Other commands (``hf-fp8
+launch``, torchrun) start as processes of their own: what they start is what they test."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import runpy
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import psutil
 
 HERE = Path(__file__).resolve().parent
@@ -31,17 +28,8 @@ TRAINER_FSDP_WORKER = HERE / "dist_trainer_fsdp_worker.py"
 TP_WORKER = HERE / "dist_tp_worker.py"
 DEEPSPEED_WORKER = HERE / "dist_deepspeed_worker.py"
 ACCELERATE_DEEPSPEED_WORKER = HERE / "dist_accelerate_deepspeed_worker.py"
-HF_FP8 = Path(sys.executable).with_name("hf-fp8")
+HF_FP8 = forked.HF_FP8
 TIMEOUT_S = 180
-_FORKS = multiprocessing.get_context("forkserver")
-_FORKS.set_forkserver_preload(
-    [
-        "torch",
-        "torch.distributed.tensor",
-        "transformers.modeling_utils",
-        "transformers.models.llama.modeling_llama",
-    ]
-)
 
 
 def free_port() -> int:
@@ -74,9 +62,7 @@ def run(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> None:
 def _start(command: list[str], env: dict[str, str], out, log: Path):
     """``command`` as a process: forked from the fork server when it runs a Python script, else its own."""
     if len(command) >= 2 and command[0] == sys.executable and command[1].endswith(".py"):
-        fork = _FORKS.Process(target=_run_script, args=(command[1:], env, str(log)))
-        fork.start()
-        return fork
+        return forked.start(command, env, str(log), str(log))
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -89,27 +75,6 @@ def _ended(process, timeout: float | None) -> bool:
         return True
     process.join(timeout)
     return process.exitcode is not None
-
-
-def _run_script(argv: list[str], env: dict[str, str], log: str) -> None:
-    """In the fork: run the script ``argv[0]`` with its arguments as ``python`` would."""
-    os.environ.clear()
-    os.environ.update(env)
-    with open(log, "ab", buffering=0) as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-    sys.stdin = open(os.devnull)  # noqa: SIM115 (the process's standard input until it ends)
-    if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch loaded, in the fork server
-        import torch
-
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def ranks(world: int, worker: Path = WORKER) -> list[tuple[list[str], dict[str, str]]]:
