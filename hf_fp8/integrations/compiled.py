@@ -17,10 +17,13 @@ through a mask over the whole row (see :mod:`hf_fp8.integrations.packed_attentio
 With delayed scaling the first training step has no amax history yet and scales each tensor by its own
 amax: a graph of its own (a Python flag per layer says which, never a branch on tensor values), run by
 that step alone. Where Inductor compiles (the default backend), the blocks compile that graph with
-AOTAutograd and no code generation (the ``aot_eager`` backend). It keeps for the backward what a
-compiled step keeps, as the same partitioner chooses it, so the first step holds no more memory than the
-later ones (an eager one would: 8B shape under FSDP2 on two H200s, 69.1 GiB a GPU against 61.6); and
-the warm-up pays for Inductor's code once, for the steady state's graph.
+AOTAutograd and no code generation (the ``aot_eager`` backend, after this package's graph pass), and
+Inductor generates code for the steady state's graph only. The min-cut partitioner still chooses what
+the backward keeps, so the first step holds about what a compiled step holds (8b-4l on an H200: the
+same peak), where an eager one would hold more (8B shape under FSDP2 on two H200s: 69.1 GiB a GPU
+against 61.6). Models that attend with flex attention (whose uncompiled path materializes the scores)
+and blocks under gradient checkpointing (whose recomputation would compile the graph again, with
+Inductor) compile it with Inductor.
 
 A KV cache makes each block's graph depend on its layer index: one recompilation per layer, until
 ``torch.compile`` gives up on the block code and runs every later call eagerly, training included.
@@ -49,7 +52,7 @@ from hf_fp8.integrations.graph_steps import (
     replays_graphs,
     wants_cuda_graphs,
 )
-from hf_fp8.integrations.multi_query import with_graph_passes
+from hf_fp8.integrations.multi_query import aot_eager_with_graph_passes, uses_inductor, with_graph_passes
 from hf_fp8.integrations.packed_attention import boundaries_for, use_packed_attention
 from hf_fp8.integrations.training_logits import compile_with_detached_logits
 from hf_fp8.layers.fp8_scaled import Fp8Scaled
@@ -180,9 +183,12 @@ def _compile_head(
         hf_model.loss_function = loss_function
     # the decoder is a graph break by design: fullgraph applies to the blocks, not to this graph
     head_options = {**options, "fullgraph": False}
-    first_steps = _delayed_layers(blocks) if options.get("backend", "inductor") == "inductor" else []
-    decoder_forward = _first_step_uncompiled(type(decoder).forward, first_steps, hf_model)
-    decoder.forward = types.MethodType(torch.compiler.disable(decoder_forward), decoder)
+    attention = getattr(getattr(hf_model, "config", None), "_attn_implementation", None)
+    cheap = uses_inductor(options) and attention != "flex_attention"
+    decoder.__dict__[_FIRST_STEP] = (blocks, _delayed_layers(blocks) if cheap else [], hf_model)
+    decoder.forward = types.MethodType(
+        torch.compiler.disable(_first_step_uncompiled(type(decoder).forward)), decoder
+    )
     if _has_language_head(hf_model):
         head_forward = compile_with_detached_logits(type(hf_model).forward, logits_dtype, **head_options)
     else:  # a classifier's logits are small: they keep their gradient
@@ -191,7 +197,9 @@ def _compile_head(
     return True
 
 
-_FIRST_STEP_BACKEND = "aot_eager"  # see the module docstring
+# On the decoder: (the blocks, their FP8 layers under delayed scaling, the HF model), in its __dict__ so
+# that a deep copy of the model reads its own.
+_FIRST_STEP = "_hf_fp8_first_step"
 
 
 def _delayed_layers(blocks: list[nn.Module]) -> list[Fp8Scaled]:
@@ -200,24 +208,30 @@ def _delayed_layers(blocks: list[nn.Module]) -> list[Fp8Scaled]:
     return [m for m in layers if m.recipe.scaling == "delayed"]
 
 
-def _before_first_step(layers: list[Fp8Scaled]) -> bool:
-    """Whether none of ``layers`` has a stored scale yet: a run's first step (or a state saved before
-    it)."""
-    return bool(layers) and not any(any(m.stored_scale_roles()) for m in layers)
-
-
-def _first_step_uncompiled(forward: Any, layers: list[Fp8Scaled], hf_model: nn.Module) -> Any:
-    """``forward`` (the decoder's) running its blocks' first training step on the ``aot_eager`` backend
-    (see the module docstring); a forward routed to eager execution stays eager."""
+def _first_step_uncompiled(forward: Any) -> Any:
+    """``forward`` (the decoder's) running its blocks' first training step on AOTAutograd alone (see the
+    module docstring)."""
 
     def decoder_forward(decoder: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        cheap = is_training_forward(decoder) and not _runs_eagerly(hf_model) and _before_first_step(layers)
-        if not cheap:
+        if not _in_first_step(decoder):
             return forward(decoder, *args, **kwargs)
-        with torch.compiler.set_stance("default", force_backend=_FIRST_STEP_BACKEND):
+        with torch.compiler.set_stance("default", force_backend=aot_eager_with_graph_passes):
             return forward(decoder, *args, **kwargs)
 
     return decoder_forward
+
+
+def _in_first_step(decoder: nn.Module) -> bool:
+    """Whether this forward of ``decoder`` is a first training step whose blocks compile on AOTAutograd
+    alone: none of their delayed-scaling layers has a stored scale yet (a run's first step, or a state
+    saved before it), no block recomputes under gradient checkpointing, and the forward was not routed
+    to eager execution."""
+    blocks, layers, hf_model = decoder.__dict__[_FIRST_STEP]
+    if not layers or not is_training_forward(decoder) or _runs_eagerly(hf_model):
+        return False
+    if any(getattr(m, "gradient_checkpointing", False) for m in (decoder, *blocks)):
+        return False
+    return not any(any(m.stored_scale_roles()) for m in layers)
 
 
 def _has_language_head(hf_model: nn.Module) -> bool:

@@ -28,7 +28,7 @@ try:  # torch >= 2.6: SDPA takes enable_gqa (since 2.5), Inductor takes custom p
 except ImportError:  # an older torch compiles without the pass
     CustomGraphPass = object
 
-__all__ = ["MultiQueryAsGroupedQuery", "with_graph_passes"]
+__all__ = ["MultiQueryAsGroupedQuery", "aot_eager_with_graph_passes", "uses_inductor", "with_graph_passes"]
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # F.scaled_dot_product_attention is this function
 _OPERANDS = ("query", "key", "value", "attn_mask")  # its first parameters, in order
@@ -79,7 +79,7 @@ def with_graph_passes(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     pre-grad passes. A ``mode`` becomes the Inductor options it stands for (``torch.compile`` takes a
     mode or options, not both); other backends, a caller who gave both or a pre-grad pass of their own,
     and torch before 2.6 get the arguments as they are."""
-    if CustomGraphPass is object or (compile_kwargs.get("backend") or _default_backend()) != "inductor":
+    if CustomGraphPass is object or not uses_inductor(compile_kwargs):
         return compile_kwargs
     mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options")
     if mode is not None and options is not None:
@@ -92,6 +92,22 @@ def with_graph_passes(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     inductor["pre_grad_custom_pass"] = MultiQueryAsGroupedQuery()
     rest = {k: v for k, v in compile_kwargs.items() if k not in ("mode", "options")}
     return {**rest, "options": inductor}
+
+
+def uses_inductor(compile_kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile(**compile_kwargs)`` compiles with Inductor."""
+    return (compile_kwargs.get("backend") or _default_backend()) == "inductor"
+
+
+def aot_eager_with_graph_passes(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A ``torch.compile`` backend: :class:`MultiQueryAsGroupedQuery` on the captured graph, then
+    AOTAutograd without code generation (the ``aot_eager`` backend). For a graph that runs once (see
+    :mod:`hf_fp8.integrations.compiled`): multi-query attention stays on the fused kernels there too,
+    whose math path would keep every layer's attention scores for the backward."""
+    if CustomGraphPass is not object:
+        MultiQueryAsGroupedQuery()(graph.graph)
+        graph.recompile()
+    return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
 
 
 def _default_backend() -> Any:

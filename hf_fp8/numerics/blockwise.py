@@ -6,7 +6,9 @@ written ``a @ b.T`` with both operands row-major and contracting over their last
 
 * forward ``y = x @ W.T``: ``x`` in 1x128 tiles (one token, 128 features), ``W`` in 128x128 blocks;
 * dgrad ``dx = dy @ W``: ``dy`` in 1x128 tiles, ``W.T`` (the same 128x128 blocks, transposed);
-* wgrad ``dW = dy.T @ x``: ``dy.T`` and ``x.T`` in 1x128 tiles, i.e. 128 tokens of one feature.
+* wgrad ``dW = dy.T @ x``: ``dy.T`` and ``x.T`` in 1x128 tiles, i.e. 128 tokens of one feature; under
+  ``block_gw_rowwise`` each feature of ``dy`` and ``x`` scaled over all the tokens instead (row-wise
+  scaling's weight gradient, :func:`~hf_fp8.numerics.rowwise.rowwise_weight_gradient`).
 
 On Hopper these run on cuBLAS's block-scaled FP8 kernels through ``torch._scaled_mm`` (scales per 1x128
 tile, ``VEC128``, and per 128x128 block, ``BLK128x128``; :func:`block_kernels_available`). cuBLAS reads

@@ -141,13 +141,11 @@ def rowwise_weight_gradient(
 ) -> torch.Tensor:
     """``dy.T @ x`` (out, in) in FP8, ``dy`` (tokens, out) scaled per output feature and ``x`` (tokens,
     in) per input feature, each over the tokens: a feature seen by few tokens (a rare token's row of an
-    output head's gradient) keeps its own range."""
+    output head's gradient) keeps its own range. On the GPU it comes out in BF16, as :func:`_mm` says."""
     dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
     dy_fp8, dy_scales, _ = cast_rows(dy_t, dy_format, margin)  # per output feature, over tokens
     x_fp8, x_scales, _ = cast_rows(x_t, x_format, margin)  # per input feature
-    return fp8_mm(
-        dy_fp8.contiguous(), x_fp8.contiguous().t(), dy_scales.reciprocal(), x_scales.t().reciprocal(), dtype
-    )
+    return _mm(dy_fp8.contiguous(), x_fp8.contiguous().t(), dy_scales, x_scales.t(), dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:

@@ -55,6 +55,11 @@ def to_te_recipe(recipe: Fp8Recipe):
             amax_history_len=recipe.amax_history_len,
             amax_compute_algo=recipe.amax_compute_algo,
         )
+    if recipe.scaling not in ("current", "block"):
+        raise ValueError(
+            f"scaling {recipe.scaling!r} has no Transformer Engine recipe on Hopper; use backend='native', "
+            "or scaling: block / current / delayed"
+        )
     if recipe.margin != 0:
         raise ValueError(
             f"margin={recipe.margin}: Transformer Engine's {recipe.scaling} scaling has no margin; use "
@@ -62,9 +67,4 @@ def to_te_recipe(recipe: Fp8Recipe):
         )
     if recipe.scaling == "current":
         return Float8CurrentScaling(fp8_format=fp8_format)
-    if recipe.scaling == "block":
-        return Float8BlockScaling()
-    raise ValueError(
-        f"scaling {recipe.scaling!r} has no Transformer Engine recipe on Hopper; use backend='native', or "
-        "scaling: block / current / delayed"
-    )
+    return Float8BlockScaling()
