@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
     import deepspeed
 
+    if args.device == "cpu":  # gloo's collectives, not a shared-memory allreduce DeepSpeed builds first
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if args.device == "cuda":  # before the process group, so NCCL binds each rank to its own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")

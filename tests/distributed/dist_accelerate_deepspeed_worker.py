@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
+import deepspeed
 import tiny_models as tm
 import torch
 from accelerate import Accelerator
@@ -33,6 +34,9 @@ LAYER = "model.layers.1.mlp.down_proj"
 
 
 def main(argv: list[str]) -> None:
+    # DeepSpeed's shared-memory allreduce for CPUs is a C++ op it builds on first use (a minute of a
+    # 2-core machine's CPU); gloo runs the same collectives.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("steps", type=int)

@@ -51,6 +51,9 @@ class WeightAmaxes(TrainerCallback):
 
 
 def main(argv: list[str]) -> None:
+    # DeepSpeed's shared-memory allreduce for CPUs is a C++ op it builds on first use (a minute of a
+    # 2-core machine's CPU); gloo runs the same collectives.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("stage", type=int)

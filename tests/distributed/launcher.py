@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import forked
-import psutil
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -50,9 +49,7 @@ def run(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> None:
             hung = hung or not _ended(process, TIMEOUT_S)
         if hung:
             for process in processes:
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    child.kill()
-                process.kill()
+                forked.kill_with_children(process.pid)
                 _ended(process, None)
             raise AssertionError(f"hung for {TIMEOUT_S} s; output:\n{log.read_text()[-3000:]}")
     codes = [p.returncode if isinstance(p, subprocess.Popen) else p.exitcode for p in processes]

@@ -71,19 +71,25 @@ def test_compiled_blocks_train_exactly_as_eager_and_compile_once_per_kind_of_ste
 def test_under_inductor_the_first_step_of_delayed_scaling_runs_its_blocks_without_generated_code():
     """The first step's graph runs once: under Inductor (the default) the blocks compile it on
     AOTAutograd alone (``aot_eager``), so that step runs Inductor's graphs of the head alone; the next
-    runs those and the steady state's block graphs, forward and backward."""
+    runs those and the steady state's block graphs, forward and backward. The losses are eager's (up to
+    Inductor's float32 rounding), and a deep copy trained on its own takes the same path."""
     torch._dynamo.reset()
     model = llama(layers=2)
     hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(scaling="delayed"))
+    eager = copy.deepcopy(model)
+    tm.with_compiled_loss(eager)
     hf_fp8.compile(model)
+    twin = copy.deepcopy(model)
 
-    def inductor_graphs_run(seed: int) -> set[str]:
+    def inductor_graphs_run(trained: torch.nn.Module, seed: int) -> tuple[set[str], float]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            train(model, steps=1, first_seed=seed)
-        return {e.name for e in profile.events() if e.name.startswith("## Call CompiledFxGraph")}
+            (loss,) = train(trained, steps=1, first_seed=seed)
+        return {e.name for e in profile.events() if e.name.startswith("## Call CompiledFxGraph")}, loss
 
-    first, steady = inductor_graphs_run(0), inductor_graphs_run(1)
+    (first, loss_0), (steady, loss_1) = inductor_graphs_run(model, 0), inductor_graphs_run(model, 1)
     assert first < steady and len(steady - first) == 2, (first, steady)
+    assert [loss_0, loss_1] == pytest.approx(train(eager, steps=2), rel=1e-5)
+    assert inductor_graphs_run(twin, 0)[0] == first, "the copy reads its own layers' state"
 
 
 def test_a_converted_head_compiles_on_its_own_and_trains_exactly_as_eager():
