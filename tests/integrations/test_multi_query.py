@@ -139,6 +139,29 @@ def test_hf_fp8_compile_runs_the_pass_on_its_graphs(monkeypatch, tmp_path):
 
 
 @needs_custom_passes
+def test_an_fp8_models_first_step_runs_the_pass_before_aot_eager(monkeypatch):
+    """Under delayed scaling the blocks' first step compiles on AOTAutograd alone (see
+    hf_fp8.integrations.compiled); the pass runs there too, so that step's attention asks for
+    grouped-query attention as every later one does."""
+    rewritten = []
+    original = MultiQueryAsGroupedQuery.__call__
+
+    def watched(self, graph: torch.fx.Graph) -> None:
+        original(self, graph)
+        calls = [n for n in graph.nodes if n.op == "call_function" and n.target is multi_query._SDPA]
+        rewritten.extend(n.kwargs.get("enable_gqa", False) for n in calls)
+
+    monkeypatch.setattr(MultiQueryAsGroupedQuery, "__call__", watched)
+    torch._dynamo.reset()
+    model = falcon()
+    hf_fp8.patch_model(model, hf_fp8.Fp8Recipe(scaling="delayed"))
+    hf_fp8.compile(model)
+    ids = torch.randint(0, 128, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert rewritten and all(rewritten), rewritten
+
+
+@needs_custom_passes
 def test_the_cache_key_follows_the_pass_code():
     expected = hashlib.sha256(Path(multi_query.__file__).read_bytes()).hexdigest()
     assert MultiQueryAsGroupedQuery().uuid() == expected
