@@ -8,8 +8,8 @@ on ``sys.path``, the given environment and working folder, its standard input em
 the files given. What a fork cannot show is what happens when the server's modules are imported: their
 warnings, and variables read then (``PYTHON*``, ``TORCH*``, ``HF_*``, ``TRANSFORMERS_*``: a command
 given other values of those, hf-fp8's own aside, starts an interpreter of its own, as does a test of
-import time). Programs
-nested inside these (a benchmark's rows, torchrun's ranks) start as processes of their own.
+import time). Programs nested inside these (a benchmark's rows, torchrun's ranks) start as processes of
+their own.
 """
 
 from __future__ import annotations

@@ -227,11 +227,12 @@ def _in_first_step(decoder: nn.Module) -> bool:
     saved before it), no block recomputes under gradient checkpointing, and the forward was not routed
     to eager execution."""
     blocks, layers, hf_model = decoder.__dict__[_FIRST_STEP]
-    if not layers or not is_training_forward(decoder) or _runs_eagerly(hf_model):
+    if not layers or not is_training_forward(decoder):
         return False
-    if any(getattr(m, "gradient_checkpointing", False) for m in (decoder, *blocks)):
+    # after the first step the first layer already has a stored scale: one check a forward from then on
+    if any(any(m.stored_scale_roles()) for m in layers) or _runs_eagerly(hf_model):
         return False
-    return not any(any(m.stored_scale_roles()) for m in layers)
+    return not any(getattr(m, "gradient_checkpointing", False) for m in (decoder, *blocks))
 
 
 def _has_language_head(hf_model: nn.Module) -> bool:

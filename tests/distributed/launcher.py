@@ -58,7 +58,7 @@ def run(commands: list[tuple[list[str], dict[str, str]]], log: Path) -> None:
 
 def _start(command: list[str], env: dict[str, str], out, log: Path):
     """``command`` as a process: forked from the fork server when it runs a Python script, else its own."""
-    if len(command) >= 2 and command[0] == sys.executable and command[1].endswith(".py"):
+    if forked.forkable(command, env) and command[1].endswith(".py"):
         return forked.start(command, env, str(log), str(log))
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
