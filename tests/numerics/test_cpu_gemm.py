@@ -80,8 +80,8 @@ def probe_product():
     def scales_after_the_gemm(dtype):  # another real FP8 product: the same values, other roundings
         return ((a.float() @ b.float()) * (a_inverse * b_inverse)).to(dtype)
 
-    def slow(dtype):  # the right bits, at the pace of a reference kernel
-        time.sleep(0.02)
+    def slow(dtype):  # the right bits, at the pace of a reference kernel (slower than the emulation
+        time.sleep(0.1)  # even on a loaded 2-core machine, where that can take milliseconds)
         return emulation(dtype)
 
     def unavailable(dtype):
