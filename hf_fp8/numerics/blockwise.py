@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.numerics.column_casts import fused_cast_columns, fused_column_casts_available
 from hf_fp8.numerics.cuda_copies import triton_installed
 from hf_fp8.numerics.gemm import GemmConfig, in_dtype, pad_rows
-from hf_fp8.numerics.rowwise import rowwise_weight_gradient
+from hf_fp8.numerics.rowwise import cast_columns, rowwise_weight_gradient
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
 __all__ = [
@@ -255,6 +256,20 @@ def _cast(
     return values.contiguous(), scales.view(blocks.shape[0], blocks.shape[2]), amax.amax()
 
 
+def _cast_for_rowwise_gradient(
+    dy: torch.Tensor, fmt: Fp8Format, margin: int, with_rows: bool
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """What ``block_gw_rowwise``'s backward takes of ``dy``: its columns for the weight gradient
+    (:func:`~hf_fp8.numerics.rowwise.cast_columns`), with ``with_rows`` its 1x128 row tiles and their
+    scales for the input gradient (else ``None`` twice), and its amax. Where the fused column casts
+    run, the tiles come from the same read as the columns' cast."""
+    if fused_column_casts_available(dy.device):
+        values, scales, amax, dy_fp8, dy_scales = fused_cast_columns(dy, fmt, margin, with_rows)
+        return (values, scales), dy_fp8, dy_scales, amax
+    values, scales, amax = cast_columns(dy, fmt, margin)
+    return (values, scales), None, None, amax  # the input gradient casts its tiles itself
+
+
 class _BlockFp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -303,7 +318,10 @@ class _BlockFp8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         dy_fp8 = dy_scales = dy_amax = None
         if ctx.needs_input_grad[1] and ctx.gw_rowwise:
-            grad_w = rowwise_weight_gradient(dy, x, fmt, config.forward_format, margin, ctx.weight_dtype)
+            dy_columns, dy_fp8, dy_scales, dy_amax = _cast_for_rowwise_gradient(
+                dy, fmt, margin, with_rows=ctx.needs_input_grad[0]
+            )
+            grad_w = rowwise_weight_gradient(dy_columns, x, config.forward_format, margin, ctx.weight_dtype)
         elif ctx.needs_input_grad[1]:
             # over the tokens (zero rows up to a multiple of 16 add nothing): 128 tokens of one feature
             dy_fp8, dy_scales, dy_t_fp8, dy_t_scales, dy_amax = cast_tiles_transposed(

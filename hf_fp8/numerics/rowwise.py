@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from hf_fp8.formats import Fp8Format, cast_to_fp8, compute_scale
+from hf_fp8.numerics.column_casts import fused_cast_columns, fused_column_casts_available
 from hf_fp8.numerics.gemm import GemmConfig, fp8_mm, in_dtype, pad_rows
 from hf_fp8.numerics.scaling import GRAD_OUTPUT, INPUT, WEIGHT, BackwardRecord, record_amax, tensor_amax
 
-__all__ = ["rowwise_linear", "rowwise_weight_gradient"]
+__all__ = ["cast_columns", "rowwise_linear", "rowwise_weight_gradient"]
 
 
 def rowwise_linear(
@@ -66,6 +67,19 @@ def cast_rows(
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
     scales = compute_scale(amax, fmt, margin)
     return cast_to_fp8(t, scales, fmt), scales, amax.amax()
+
+
+def cast_columns(
+    t: torch.Tensor, fmt: Fp8Format, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` (tokens, features) cast per feature over the tokens, for a weight gradient: ``t.T`` in FP8,
+    (features, tokens padded with zeros to a multiple of 16), contiguous; the scales, (features, 1); and
+    ``t``'s amax. Two Triton kernels where they run (:mod:`hf_fp8.numerics.column_casts`)."""
+    if fused_column_casts_available(t.device):
+        values, scales, amax, _, _ = fused_cast_columns(t, fmt, margin, with_row_tiles=False)
+        return values, scales, amax
+    values, scales, amax = cast_rows(pad_rows(t).t(), fmt, margin)
+    return values.contiguous(), scales, amax
 
 
 class _RowwiseFp8Linear(torch.autograd.Function):
@@ -119,7 +133,8 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             dy_amax = tensor_amax(dy)
         if ctx.needs_input_grad[1]:
             if ctx.gw_in_fp8:
-                grad_w = rowwise_weight_gradient(dy, x, fmt, config.forward_format, margin, weight.dtype)
+                dy_columns = cast_columns(dy, fmt, margin)[:2]
+                grad_w = rowwise_weight_gradient(dy_columns, x, config.forward_format, margin, weight.dtype)
             else:
                 grad_w = in_dtype(dy.t().to(x.dtype) @ x, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -132,20 +147,20 @@ class _RowwiseFp8Linear(torch.autograd.Function):
 
 
 def rowwise_weight_gradient(
-    dy: torch.Tensor,
+    dy_columns: tuple[torch.Tensor, torch.Tensor],
     x: torch.Tensor,
-    dy_format: Fp8Format,
     x_format: Fp8Format,
     margin: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """``dy.T @ x`` (out, in) in FP8, ``dy`` (tokens, out) scaled per output feature and ``x`` (tokens,
     in) per input feature, each over the tokens: a feature seen by few tokens (a rare token's row of an
-    output head's gradient) keeps its own range. On the GPU it comes out in BF16, as :func:`_mm` says."""
-    dy_t, x_t = pad_rows(dy).t(), pad_rows(x).t()  # (out, tokens), (in, tokens)
-    dy_fp8, dy_scales, _ = cast_rows(dy_t, dy_format, margin)  # per output feature, over tokens
-    x_fp8, x_scales, _ = cast_rows(x_t, x_format, margin)  # per input feature
-    return _mm(dy_fp8.contiguous(), x_fp8.contiguous().t(), dy_scales, x_scales.t(), dtype)
+    output head's gradient) keeps its own range. ``dy_columns``: ``dy`` as :func:`cast_columns` gives it
+    (its values and scales; the caller casts it, with whatever else it needs of ``dy``). On the GPU the
+    product comes out in BF16, as :func:`_mm` says."""
+    dy_fp8, dy_scales = dy_columns
+    x_fp8, x_scales, _ = cast_columns(x, x_format, margin)  # (in, tokens), per input feature
+    return _mm(dy_fp8, x_fp8.t(), dy_scales, x_scales.t(), dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, a_scales, b_scales, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Triton kernels: behind :mod:`hf_fp8.numerics.cuda_copies` a saturating FP8 cast and a one-byte
 transpose, one pass each; behind :func:`hf_fp8.numerics.blockwise.cast_tiles_transposed` the block recipe's
-backward casts (a tensor in 1x128 tiles of its rows and of its columns, one read). Imported only for
+backward casts (a tensor in 1x128 tiles of its rows and of its columns, one read); behind
+:mod:`hf_fp8.numerics.column_casts` the weight gradient's per-column casts (two reads: the columns'
+amaxes, then the cast, transposed, with the rows' 1x128 tiles if asked). Imported only for
 CUDA tensors where Triton is installed (it comes with PyTorch's CUDA builds on Linux, not with the CPU
 build).
 """
@@ -13,12 +15,20 @@ import triton.language as tl
 
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format
 
-__all__ = ["cast_tiles_both", "cast_tiles_both_outputs", "saturating_cast", "transposed_copy"]
+__all__ = [
+    "cast_columns_transposed",
+    "cast_columns_transposed_outputs",
+    "cast_tiles_both",
+    "cast_tiles_both_outputs",
+    "saturating_cast",
+    "transposed_copy",
+]
 
 _CAST_BLOCK = 4096
 _TILE = 64
 _SCALE_TILE = 128  # the block recipe's tile: 1 x 128 values share a scale
 _AMAX_COLUMNS = 64
+_AMAX_ROWS = 1024  # the rows one program of the column amaxes reads, TILE at a time
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
@@ -109,16 +119,24 @@ def _cast_tiles_both_kernel(
     part = tile_column * parts + tl.arange(0, parts)
     amax_columns = tl.cdiv(columns, AMAX_COLUMNS)
     tl.store(amaxes + tile_row * amax_columns + part, part_amax, mask=part < amax_columns)
-    if WITH_ROWS:  # 1 x TILE tiles (one row, TILE columns), row-major as the source
-        row_amax = tl.reduce(magnitudes, 1, _max_keeping_nan)
-        row_scale = _tile_scale(row_amax, target)
-        scaled = tl.clamp(values * row_scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(
-            rows_out + row[:, None] * columns + column[None, :],
-            scaled.to(rows_out.dtype.element_ty),
-            mask=inside,
+    if WITH_ROWS:
+        _store_row_tiles(
+            values, magnitudes, row, column, rows_out, row_scales, rows, columns, fp8_max, target
         )
-        tl.store(row_scales + row * tl.num_programs(1) + tile_column, row_scale, mask=row < rows)
+
+
+@triton.jit
+def _store_row_tiles(values, magnitudes, row, column, rows_out, row_scales, rows, columns, fp8_max, target):
+    """Cast a program's values in 1 x TILE tiles (one row, all the program's TILE columns) and store them
+    row-major as the source, with one scale per tile (program (i, j) holds tile column j)."""
+    row_amax = tl.reduce(magnitudes, 1, _max_keeping_nan)
+    row_scale = _tile_scale(row_amax, target)
+    scaled = tl.clamp(values * row_scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    inside = (row[:, None] < rows) & (column[None, :] < columns)
+    tl.store(
+        rows_out + row[:, None] * columns + column[None, :], scaled.to(rows_out.dtype.element_ty), mask=inside
+    )
+    tl.store(row_scales + row * tl.num_programs(1) + tl.program_id(1), row_scale, mask=row < rows)
 
 
 def cast_tiles_both(
@@ -166,4 +184,107 @@ def cast_tiles_both_outputs(
         t.new_empty((columns, padded_rows), dtype=fp8_dtype),
         t.new_empty((columns, row_tiles), dtype=torch.float32),
         t.new_empty((row_tiles, triton.cdiv(columns, _AMAX_COLUMNS)), dtype=torch.float32),
+    )
+
+
+@triton.jit
+def _column_amaxes_kernel(source, amaxes, rows, columns, TILE: tl.constexpr, ROWS: tl.constexpr):
+    # one program: ROWS rows (TILE at a time) x TILE columns; a row of partial amaxes per ROWS rows
+    column = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    amax = tl.zeros((TILE,), dtype=tl.float32)
+    for start in range(0, ROWS, TILE):
+        row = first + start + tl.arange(0, TILE)
+        inside = (row[:, None] < rows) & (column[None, :] < columns)
+        values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
+        amax = _max_keeping_nan(amax, tl.reduce(tl.abs(values.to(tl.float32)), 0, _max_keeping_nan))
+    tl.store(amaxes + tl.program_id(0) * columns + column, amax, mask=column < columns)
+
+
+def _column_amaxes(t: torch.Tensor) -> torch.Tensor:
+    """The amax of each column of ``t`` (rows, columns), contiguous, over all its rows, as float32 (NaN
+    where the column holds one): one read along the rows, then the partial amaxes of each 1024 rows."""
+    rows, columns = t.shape
+    partials = t.new_empty((triton.cdiv(rows, _AMAX_ROWS), columns), dtype=torch.float32)
+    grid = (partials.shape[0], triton.cdiv(columns, _SCALE_TILE))
+    _column_amaxes_kernel[grid](t, partials, rows, columns, TILE=_SCALE_TILE, ROWS=_AMAX_ROWS)
+    return partials.amax(dim=0)
+
+
+@triton.jit
+def _cast_columns_transposed_kernel(
+    source, column_amaxes, columns_out, column_scales, rows_out, row_scales,
+    rows, columns, padded_rows, fp8_max, target,
+    WITH_ROWS: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr,
+):  # fmt: skip
+    # one program: TILE rows x COLUMNS columns (COLUMNS == TILE with the row tiles)
+    row = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    column = tl.program_id(1).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)
+    inside = (row[:, None] < rows) & (column[None, :] < columns)
+    values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
+    values = values.to(tl.float32)
+    scale = _tile_scale(tl.load(column_amaxes + column, mask=column < columns, other=0.0), target)
+    if tl.program_id(0) == 0:
+        tl.store(column_scales + column, scale, mask=column < columns)
+    scaled = tl.clamp(values * scale[None, :], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
+    tl.store(
+        columns_out + column[None, :] * padded_rows + row[:, None],
+        scaled.to(columns_out.dtype.element_ty),
+        mask=written,
+    )
+    if WITH_ROWS:
+        _store_row_tiles(
+            values, tl.abs(values), row, column, rows_out, row_scales, rows, columns, fp8_max, target
+        )
+
+
+def cast_columns_transposed(
+    t: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, target: float, with_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` (rows, columns), contiguous, cast to ``fp8_dtype`` per column over all its rows, in two
+    reads (the columns' amaxes, then the cast), each scale ``target / the amax``
+    (:func:`hf_fp8.formats.compute_scale`) and each value clamped to ``fp8_max``:
+
+    * ``t.T``: (columns, padded_rows) FP8, the rows padded with zeros to a multiple of 16, and the
+      scales, (columns,);
+    * the amax of ``t`` (NaN if it holds one);
+    * with ``with_rows``, from the second read, ``t`` in 1 x 128 tiles along its columns, as
+      :func:`cast_tiles_both` gives them: (rows, columns) FP8 and the scales (rows, ceil(columns /
+      128)); empty tensors otherwise.
+
+    A program of the cast takes 128 x 128 values with the row tiles, 128 x 64 without.
+    """
+    outputs = cast_columns_transposed_outputs(t, fp8_dtype, with_rows)
+    columns_out, column_scales, amax, rows_out, row_scales = outputs
+    (rows, columns), padded_rows = t.shape, columns_out.shape[1]
+    if not t.numel():
+        column_scales.fill_(1.0)  # compute_scale's for a zero amax
+        amax.zero_()
+        return outputs
+    column_amaxes = _column_amaxes(t)
+    torch.amax(column_amaxes, dim=0, out=amax)
+    width, warps = (_SCALE_TILE, 4) if with_rows else (_AMAX_COLUMNS, 2)
+    grid = (triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(columns, width))
+    _cast_columns_transposed_kernel[grid](
+        t, column_amaxes, columns_out, column_scales, rows_out, row_scales,
+        rows, columns, padded_rows, fp8_max, target,
+        WITH_ROWS=with_rows, TILE=_SCALE_TILE, COLUMNS=width, num_warps=warps,
+    )  # fmt: skip
+    return outputs
+
+
+def cast_columns_transposed_outputs(
+    t: torch.Tensor, fp8_dtype: torch.dtype, with_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensors :func:`cast_columns_transposed` writes, empty (for a fake tensor, their shapes)."""
+    rows, columns = t.shape
+    padded_rows = rows + -rows % FP8_ALIGNMENT
+    kept_rows, kept_columns = (rows, columns) if with_rows else (0, 0)
+    return (
+        t.new_empty((columns, padded_rows), dtype=fp8_dtype),
+        t.new_empty(columns, dtype=torch.float32),
+        t.new_empty((), dtype=torch.float32),
+        t.new_empty((kept_rows, kept_columns), dtype=fp8_dtype),
+        t.new_empty((kept_rows, triton.cdiv(columns, _SCALE_TILE) if with_rows else 0), dtype=torch.float32),
     )

@@ -1,6 +1,7 @@
-"""The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`) and the block recipe's
-fused backward casts against the torch ops they replace, bit for bit, on the GPU; the CPU side of the
-same entry points runs everywhere."""
+"""The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`), the block recipe's
+fused backward casts and the weight gradient's per-column casts (:mod:`hf_fp8.numerics.column_casts`)
+against the torch ops they replace, bit for bit, on the GPU; the CPU side of the same entry points runs
+everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 from hf_fp8.formats import E4M3, E5M2, cast_to_fp8, compute_scale
 from hf_fp8.layers.fsdp import shard_in_fp8
 from hf_fp8.numerics.blockwise import cast_tiles, cast_tiles_transposed
+from hf_fp8.numerics.column_casts import fused_cast_columns
 from hf_fp8.numerics.gemm import column_major_copy, pad_rows, transposed_fp8
+from hf_fp8.numerics.rowwise import cast_columns, cast_rows
 
 
 def awkward_values(rows: int, columns: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -101,6 +104,41 @@ def test_gpu_the_fused_tile_casts_are_the_torch_casts_to_the_bit(fmt, margin, ro
     none, _, t_compiled, t_scales_compiled, amax = compiled(values)
     assert none is None and torch.equal(t_compiled.view(torch.uint8), t_fp8.view(torch.uint8))
     assert torch.equal(t_scales_compiled, t_scales) and amax.isnan()
+
+
+def test_a_column_cast_is_each_columns_cast_transposed_with_zero_rows_up_to_16():
+    values = awkward_values(20, 300, torch.bfloat16, "cpu")
+    fp8, scales, amax = cast_columns(values, E5M2, 1)
+    assert fp8.shape == (300, 32) and fp8.is_contiguous() and scales.shape == (300, 1)
+    assert not fp8[:, 20:].view(torch.uint8).any()
+    column_amaxes = values.float().abs().amax(dim=0, keepdim=True).t()
+    want = cast_to_fp8(values.t(), compute_scale(column_amaxes, E5M2, 1), E5M2)
+    assert torch.equal(fp8[:, :20].contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    assert amax.isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize(("rows", "columns"), [(1, 16), (200, 576), (1000, 77), (3000, 1280)])
+def test_gpu_the_fused_column_casts_are_the_torch_casts_to_the_bit(fmt, margin, rows, columns):
+    values = awkward_values(rows, columns, torch.bfloat16, "cuda")
+    values[-1, -1] = 0.5  # the NaN goes to a column and a tile of its own, the others compare by value
+    values[rows // 2, 0] = float("nan")
+    fp8, scales, amax, tiles, tile_scales = fused_cast_columns(values, fmt, margin, with_row_tiles=True)
+    want, want_scales, _ = cast_rows(pad_rows(values).t(), fmt, margin)
+    assert fp8.shape == want.shape and fp8.is_contiguous()
+    assert torch.equal(fp8.view(torch.uint8), want.contiguous().view(torch.uint8))
+    assert torch.equal(scales, want_scales) and amax.isnan()
+    want_tiles, want_tile_scales, _ = cast_tiles(values, fmt, margin)
+    assert torch.equal(tiles.view(torch.uint8), want_tiles.view(torch.uint8))
+    assert torch.equal(tile_scales, want_tile_scales)
+    torch._dynamo.reset()  # one lambda compiled per case
+    compiled = torch.compile(lambda t: cast_columns(t, fmt, margin), fullgraph=True)
+    compiled_fp8, compiled_scales, compiled_amax = compiled(values)
+    assert torch.equal(compiled_fp8.view(torch.uint8), fp8.view(torch.uint8))
+    assert torch.equal(compiled_scales, scales) and compiled_amax.isnan()
+    assert fused_cast_columns(values, fmt, margin, with_row_tiles=False)[3:] == (None, None)
 
 
 @pytest.mark.gpu
