@@ -144,3 +144,33 @@ def test_to_empty_starts_the_scaling_state_from_zero():
     layer = model.get_submodule(LAYER)
     assert not layer.amax_history.any() and not layer.scale.any() and layer.fp8_steps.item() == 0
     assert not layer.backward_amax.any() and not layer.backward_scale.any(), "the backward record too"
+
+
+def test_an_fp8_layers_weight_gradient_is_vouched_for_by_its_amaxes_and_refused_past_their_bound():
+    """The guard does not read the FP8 linear layers' weight gradients: finite amaxes whose product is
+    under 2**90 bound them. A product past it (a finite amax of 1e30 here) is refused, naming the layer,
+    before the weights change."""
+    model = tm.build("llama")
+    patch_model(model)
+    layer = model.get_submodule(LAYER)
+    guard = Fp8NanGuard(model)
+    assert loop(model, guard, steps=2, poisoned_step=-1, layer=layer) == [True, True]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(**tm.batch_for("llama", 32, seed=2)).loss.backward()
+    with torch.no_grad():
+        layer.amax_history[0, 7] = 1e30  # an input amax kept from an earlier step
+    with pytest.raises(FloatingPointError, match=rf"step 2: the amaxes of layer '{LAYER}'.*too large"):
+        guard.check(2)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_gradients_outside_the_fp8_layers_are_read():
+    model = tm.build("llama")
+    patch_model(model)
+    guard = Fp8NanGuard(model)
+    embedding = model.get_input_embeddings().weight
+    embedding.register_hook(lambda grad: grad.index_fill(0, torch.tensor([3]), float("inf")))
+    model(**tm.batch_for("llama", 32, seed=0)).loss.backward()
+    with pytest.raises(FloatingPointError, match="non-finite gradients outside the FP8 layers"):
+        guard.check(0)
