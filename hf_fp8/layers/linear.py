@@ -139,15 +139,17 @@ class Fp8Module(Fp8Scaled):
         return self.weight.dequantize(device)
 
     def step_end_amaxes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The weight, under tensorwise scaling: its amax, the same whichever forward of the step reads
-        it, is taken at the step's end with every other layer's in one batch. A cast with the stored
-        scale then takes none: one reduction per layer less in the step. A weight FSDP2 all-gathers in
-        FP8 gives the shard it was gathered from."""
+        """The weight, under tensorwise scaling with FP8 forwards: its amax, the same whichever forward
+        of the step reads it, is taken at the step's end with every other layer's in one batch. A cast
+        with the stored scale then takes none: one reduction per layer less in the step. A weight FSDP2
+        all-gathers in FP8 gives the shard it was gathered from. With forwards in high precision the
+        backward's cast of the weight, its only one, takes the amax (see gemm.py)."""
         if self.weight_in_fp8 or not self.recipe.tensorwise:
             return []
         shard = gathered_shard(self)
-        if shard is None and isinstance(self.weight, Fp8GatheredWeight):
-            return []  # gathered, but not from a shard of this rank (not under FSDP2)
+        # gathered, but not from a shard of this rank (not under FSDP2); or cast by the backward
+        if shard is None and (isinstance(self.weight, Fp8GatheredWeight) or not self.forward_in_fp8):
+            return []
         return [(self.amax_history[WEIGHT, 0], self.weight if shard is None else shard)]
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

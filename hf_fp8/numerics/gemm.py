@@ -212,8 +212,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # dx = dy @ W: W (out, in) as the column-major right operand is W.T row-major.
             if recast_scale is not None:
                 w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
+                if not config.forward_in_fp8 and ctx.record:
+                    # The weight's only cast of the step takes its amax (by rows first, as choose_scale
+                    # does): a compiled backward reads the weight once for both, where the step's end
+                    # would read it again (Fp8Module.step_end_amaxes leaves it here).
+                    weight_amax = saved_weight.detach().abs().amax(dim=-1).amax().float()
+                    slot = backward_record.amax[WEIGHT, 0]
+                    backward_record.amax[WEIGHT, 0] = torch.maximum(slot, weight_amax)
                 if not config.forward_in_fp8 and ctx.record and backward_record.cast_counts is not None:
-                    # the weight's only cast of the step: count it as the forward's cast would be
+                    # and is counted as the forward's cast would be
                     stats = cast_statistics(saved_weight.detach(), recast_scale, w_fp8, config.forward_format)
                     backward_record.cast_counts[WEIGHT] += stats
                 w_column_major = w_fp8.t().contiguous().t()

@@ -7,7 +7,7 @@ import torch
 from conftest import make_layer
 from torch import nn
 
-from hf_fp8 import E4M3, cast_to_representable, update_fp8_scales
+from hf_fp8 import E4M3, Fp8Linear, cast_to_representable, update_fp8_scales
 from hf_fp8.formats import compute_scale
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -68,11 +68,14 @@ def test_history_rolls_with_the_newest_amax_first():
     assert layer.fp8_steps.item() == 5
 
 
-def test_a_weight_cast_with_its_stored_scale_has_its_amax_taken_at_the_step_end():
-    """The first step takes the weight's amax in the forward (it scales by it); later steps take it when
-    the step ends, for all layers at once, so the forward records none. Either way the history holds
-    the amax of the weight each step used."""
+@pytest.mark.parametrize("forward_in_fp8", [True, False])
+def test_a_weight_cast_with_its_stored_scale_has_its_amax_taken_once_a_step(forward_in_fp8):
+    """The first step takes the weight's amax in the forward (it scales by it). Later steps take it when
+    the step ends, for all layers at once, so the forward records none; or, with forwards in high
+    precision, in the backward's cast of the weight, its only one, which reads it anyway. Either way the
+    history holds the amax of the weight each step used."""
     linear, layer = make_layer(amax_history_len=4)
+    layer = Fp8Linear.from_float(linear, layer.recipe, forward_in_fp8=forward_in_fp8)
     x = torch.randn(16, 64, requires_grad=True)
     used = []
     for step in range(3):
@@ -82,6 +85,7 @@ def test_a_weight_cast_with_its_stored_scale_has_its_amax_taken_at_the_step_end(
         layer(x).sum().backward()
         first = step == 0
         assert (layer.amax_history[WEIGHT, 0].item() == used[0]) == first, step
+        assert (layer.backward_amax[WEIGHT, 0].item() == used[0]) == (not forward_in_fp8), step
         assert layer.amax_history[INPUT, 0] == x.abs().max()
         update_fp8_scales(layer)
     assert layer.amax_history[WEIGHT].tolist() == [0.0, *used]
