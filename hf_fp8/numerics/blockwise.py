@@ -22,7 +22,9 @@ in float32, multiplied in float32 (the patch report says so).
 The backward's casts for the weight gradient (``dy`` both ways, ``x.T``) are one Triton kernel on Hopper
 (:func:`cast_tiles_transposed`): one read of each tensor, the transpose written through shared memory.
 Compiled from torch ops they read ``dy`` twice, the second time across rows (8b-4l on one H200: 116 ->
-106 ms a step). Under ``torch.compile`` the q/k/v projections' shared ``x.T`` is cast once.
+106 ms a step). Under ``torch.compile`` the q/k/v projections' shared ``x.T`` is cast once. Under
+``block_gw_rowwise`` the weight gradient's per-column casts (:mod:`hf_fp8.numerics.column_casts`) also
+write ``dy``'s row tiles, from the read that casts its columns.
 """
 
 from __future__ import annotations
