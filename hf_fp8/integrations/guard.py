@@ -291,27 +291,26 @@ class Fp8NanGuard:
     def _bounded_layers(self) -> _BoundedLayers:
         """The layers whose weight gradients the guard bounds instead of reading (see the module
         docstring), found again when the index is."""
-        roles = self._index.roles()
-        if self._bounded is not None and self._bounded.roles is roles:
+        roles, layers = self._index.roles(), self._index.layers()
+        # The parameters as they are now (FSDP2 or a reload may replace them): ids of live objects, so
+        # an id kept here cannot be another parameter's.
+        owned = [_own_parameters(layer.module) for layer in layers]
+        weights = tuple(id(p) for own in owned for p in own)
+        if self._bounded is not None and self._bounded.roles is roles and self._bounded.weights == weights:
             return self._bounded
         uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
         params, names, inputs, gradients, position = set(), [], [], [], 0
-        for layer in self._index.layers():
-            module, order = layer.module, list(layer.roles)
-            own = (
-                [p for p in (module.weight, module.bias) if p is not None]
-                if isinstance(module, Fp8Module)
-                else []
-            )
+        for layer, own in zip(layers, owned, strict=True):
+            order = list(layer.roles)
             # a one-slot history forgets the step's amaxes when the step ends, before the check
-            kept = isinstance(module, Fp8Module) and module.amax_history.shape[-1] > 1
-            if own and kept and all(uses[id(p)] == 1 and p.dtype in _BOUNDED_DTYPES for p in own):
+            kept = bool(own) and layer.module.amax_history.shape[-1] > 1
+            if kept and all(uses[id(p)] == 1 and p.dtype in _BOUNDED_DTYPES for p in own):
                 params.update(id(p) for p in own)
                 names.append(layer.name)
                 inputs.append(position + order.index("input"))
                 gradients.append(position + order.index("grad_output"))
             position += len(order)
-        self._bounded = _BoundedLayers(roles, frozenset(params), names, inputs, gradients)
+        self._bounded = _BoundedLayers(roles, weights, frozenset(params), names, inputs, gradients)
         return self._bounded
 
     def _describe(self, flags: list[int]) -> str | None:
@@ -341,14 +340,23 @@ class Fp8NanGuard:
 
 class _BoundedLayers(NamedTuple):
     """The layers whose weight gradients the guard bounds (see the module docstring), for ``roles`` (the
-    index's list they were found for): their parameters' ids, their names, and the positions of their
-    input and output-gradient roles among ``roles``."""
+    index's list they were found for) and ``weights`` (the ids of every native linear layer's parameters
+    then): the bounded parameters' ids, the layers' names, and the positions of their input and
+    output-gradient roles among ``roles``."""
 
     roles: list
+    weights: tuple[int, ...]
     params: frozenset[int]
     names: list[str]
     inputs: list[int]
     gradients: list[int]
+
+
+def _own_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """A native FP8 linear layer's weight and bias (whose gradients its amaxes bound); none for others."""
+    if not isinstance(module, Fp8Module):
+        return []
+    return [p for p in (module.weight, module.bias) if p is not None]
 
 
 def _skips_on_device(optimizer: Any) -> bool:
