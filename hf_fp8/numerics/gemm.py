@@ -213,12 +213,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if recast_scale is not None:
                 w_fp8 = cast_to_fp8(saved_weight, recast_scale, config.forward_format)
                 if not config.forward_in_fp8 and ctx.record:
-                    # The weight's only cast of the step takes its amax (by rows first, as choose_scale
-                    # does): a compiled backward reads the weight once for both, where the step's end
-                    # would read it again (Fp8Module.step_end_amaxes leaves it here).
-                    weight_amax = saved_weight.detach().abs().amax(dim=-1).amax().float()
+                    # The weight's only cast of the step takes its amax: a compiled backward reads the
+                    # weight once for both, not again at the step's end (Fp8Module.step_end_amaxes).
                     slot = backward_record.amax[WEIGHT, 0]
-                    backward_record.amax[WEIGHT, 0] = torch.maximum(slot, weight_amax)
+                    backward_record.amax[WEIGHT, 0] = torch.maximum(slot, _rows_first_amax(saved_weight))
                 if not config.forward_in_fp8 and ctx.record and backward_record.cast_counts is not None:
                     # and is counted as the forward's cast would be
                     stats = cast_statistics(saved_weight.detach(), recast_scale, w_fp8, config.forward_format)
@@ -329,8 +327,7 @@ def choose_scale(
     stored = config.stored_scales[role]
     amax = None
     if (record and record_amax) or not stored:
-        magnitude = t.detach().abs()
-        amax = (magnitude.amax(dim=-1).amax() if t.dim() > 1 else magnitude.amax()).float()
+        amax = _rows_first_amax(t)
     if stored:
         chosen = read_stored_scale(scale, role, stored) if stored_scale is None else stored_scale
     else:
@@ -340,6 +337,12 @@ def choose_scale(
     if record and amax is not None:
         amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)
     return chosen
+
+
+def _rows_first_amax(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s amax in float32, by rows first, then over the rows (:func:`choose_scale` says why)."""
+    magnitude = t.detach().abs()
+    return (magnitude.amax(dim=-1).amax() if t.dim() > 1 else magnitude.amax()).float()
 
 
 def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
