@@ -1,6 +1,7 @@
 """Triton kernels: behind :mod:`hf_fp8.numerics.cuda_copies` a saturating FP8 cast and a one-byte
 transpose, one pass each; behind :func:`hf_fp8.numerics.blockwise.cast_tiles_transposed` the block recipe's
-backward casts (a tensor in 1x128 tiles of its rows and of its columns, one read); behind
+backward casts (a tensor in 1x128 tiles of its rows and of its columns, one read; a weight in
+128x128 blocks, written transposed, one read); behind
 :mod:`hf_fp8.numerics.column_casts` the weight gradient's per-column casts (two reads: the columns'
 amaxes, then the cast, transposed, with the rows' 1x128 tiles if asked). Imported only for
 CUDA tensors where Triton is installed (it comes with PyTorch's CUDA builds on Linux, not with the CPU
@@ -16,6 +17,8 @@ import triton.language as tl
 from hf_fp8.formats import FP8_ALIGNMENT, Fp8Format
 
 __all__ = [
+    "cast_blocks_transposed",
+    "cast_blocks_transposed_outputs",
     "cast_columns_transposed",
     "cast_columns_transposed_outputs",
     "cast_tiles_both",
@@ -27,6 +30,9 @@ __all__ = [
 _CAST_BLOCK = 4096
 _TILE = 64
 _SCALE_TILE = 128  # the block recipe's tile: 1 x 128 values share a scale
+# row tiles come in whole groups of four, zeros after the values (and scales of 1): the contraction
+# cuBLAS's 128x128 block kernels take (hf_fp8.numerics.blockwise.block_mm)
+_ROW_TILE_GROUP = 4 * _SCALE_TILE
 _AMAX_COLUMNS = 64
 _AMAX_ROWS = 1024  # the rows one program of the column amaxes reads, TILE at a time
 _FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
@@ -91,7 +97,7 @@ def _tile_scale(amax, target):
 @triton.jit
 def _cast_tiles_both_kernel(
     source, rows_out, row_scales, columns_out, column_scales, amaxes,
-    rows, columns, padded_rows, fp8_max, target,
+    rows, columns, padded_rows, row_width, fp8_max, target,
     WITH_ROWS: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr, AMAX_COLUMNS: tl.constexpr,
 ):  # fmt: skip
     # one program: TILE rows x COLUMNS columns (COLUMNS == TILE with the row tiles)
@@ -121,20 +127,23 @@ def _cast_tiles_both_kernel(
     tl.store(amaxes + tile_row * amax_columns + part, part_amax, mask=part < amax_columns)
     if WITH_ROWS:
         _store_row_tiles(
-            values, magnitudes, row, column, rows_out, row_scales, rows, columns, fp8_max, target
+            values, magnitudes, row, column, rows_out, row_scales, rows, row_width, fp8_max, target
         )
 
 
 @triton.jit
-def _store_row_tiles(values, magnitudes, row, column, rows_out, row_scales, rows, columns, fp8_max, target):
+def _store_row_tiles(values, magnitudes, row, column, rows_out, row_scales, rows, row_width, fp8_max, target):
     """Cast a program's values in 1 x TILE tiles (one row, all the program's TILE columns) and store them
-    row-major as the source, with one scale per tile (program (i, j) holds tile column j)."""
+    row-major, ``row_width`` columns a row (the source's padded to whole tile groups: programs past the
+    source's columns hold zeros), with one scale per tile (program (i, j) holds tile column j)."""
     row_amax = tl.reduce(magnitudes, 1, _max_keeping_nan)
     row_scale = _tile_scale(row_amax, target)
     scaled = tl.clamp(values * row_scale[:, None], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    inside = (row[:, None] < rows) & (column[None, :] < columns)
+    inside = (row[:, None] < rows) & (column[None, :] < row_width)
     tl.store(
-        rows_out + row[:, None] * columns + column[None, :], scaled.to(rows_out.dtype.element_ty), mask=inside
+        rows_out + row[:, None] * row_width + column[None, :],
+        scaled.to(rows_out.dtype.element_ty),
+        mask=inside,
     )
     tl.store(row_scales + row * tl.num_programs(1) + tl.program_id(1), row_scale, mask=row < rows)
 
@@ -147,8 +156,9 @@ def cast_tiles_both(
 
     * in 128 x 1 tiles along its rows, written transposed: (columns, padded_rows) FP8, the rows padded
       with zeros to a multiple of 16, and the scales (columns, ceil(padded_rows / 128));
-    * with ``with_rows``, in 1 x 128 tiles along its columns: (rows, columns) FP8 and the scales (rows,
-      ceil(columns / 128)); empty tensors otherwise;
+    * with ``with_rows``, in 1 x 128 tiles along its columns: (rows, row_width) FP8, the columns padded
+      with zeros to whole groups of four tiles (a multiple of 512), and the scales (rows, row_width /
+      128), 1 for the padding; empty tensors otherwise;
     * the amaxes of its 128 x 64 tiles, (ceil(padded_rows / 128), ceil(columns / 64)) (NaN where a tile
       holds one): their amax is ``t``'s, with no second pass.
 
@@ -157,13 +167,13 @@ def cast_tiles_both(
     """
     outputs = cast_tiles_both_outputs(t, fp8_dtype, with_rows)
     rows_out, row_scales, columns_out, column_scales, amaxes = outputs
-    (rows, columns), padded_rows = t.shape, columns_out.shape[1]
+    (rows, columns), padded_rows, row_width = t.shape, columns_out.shape[1], rows_out.shape[1]
     if t.numel():
         width, warps = (_SCALE_TILE, 4) if with_rows else (_AMAX_COLUMNS, 2)
-        grid = (triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(columns, width))
+        grid = (triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(max(columns, row_width), width))
         _cast_tiles_both_kernel[grid](
             t, rows_out, row_scales, columns_out, column_scales, amaxes,
-            rows, columns, padded_rows, fp8_max, target,
+            rows, columns, padded_rows, row_width, fp8_max, target,
             WITH_ROWS=with_rows, TILE=_SCALE_TILE, COLUMNS=width, AMAX_COLUMNS=_AMAX_COLUMNS,
             num_warps=warps,
         )  # fmt: skip
@@ -176,11 +186,11 @@ def cast_tiles_both_outputs(
     """The tensors :func:`cast_tiles_both` writes, empty (for a fake tensor, their shapes)."""
     rows, columns = t.shape
     padded_rows = rows + -rows % FP8_ALIGNMENT
-    row_tiles, column_tiles = triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(columns, _SCALE_TILE)
-    kept_rows, kept_columns = (rows, columns) if with_rows else (0, 0)
+    row_tiles = triton.cdiv(padded_rows, _SCALE_TILE)
+    kept_rows, row_width = _row_tiles_shape(rows, columns, with_rows)
     return (
-        t.new_empty((kept_rows, kept_columns), dtype=fp8_dtype),
-        t.new_empty((kept_rows, column_tiles if with_rows else 0), dtype=torch.float32),
+        t.new_empty((kept_rows, row_width), dtype=fp8_dtype),
+        t.new_empty((kept_rows, row_width // _SCALE_TILE), dtype=torch.float32),
         t.new_empty((columns, padded_rows), dtype=fp8_dtype),
         t.new_empty((columns, row_tiles), dtype=torch.float32),
         t.new_empty((row_tiles, triton.cdiv(columns, _AMAX_COLUMNS)), dtype=torch.float32),
@@ -214,7 +224,7 @@ def _column_amaxes(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _cast_columns_transposed_kernel(
     source, column_amaxes, columns_out, column_scales, rows_out, row_scales,
-    rows, columns, padded_rows, fp8_max, target,
+    rows, columns, padded_rows, row_width, fp8_max, target,
     WITH_ROWS: tl.constexpr, TILE: tl.constexpr, COLUMNS: tl.constexpr,
 ):  # fmt: skip
     # one program: TILE rows x COLUMNS columns (COLUMNS == TILE with the row tiles)
@@ -235,7 +245,7 @@ def _cast_columns_transposed_kernel(
     )
     if WITH_ROWS:
         _store_row_tiles(
-            values, tl.abs(values), row, column, rows_out, row_scales, rows, columns, fp8_max, target
+            values, tl.abs(values), row, column, rows_out, row_scales, rows, row_width, fp8_max, target
         )
 
 
@@ -250,14 +260,14 @@ def cast_columns_transposed(
       scales, (columns,);
     * the amax of ``t`` (NaN if it holds one);
     * with ``with_rows``, from the second read, ``t`` in 1 x 128 tiles along its columns, as
-      :func:`cast_tiles_both` gives them: (rows, columns) FP8 and the scales (rows, ceil(columns /
-      128)); empty tensors otherwise.
+      :func:`cast_tiles_both` gives them (padded to whole groups of four tiles); empty tensors
+      otherwise.
 
     A program of the cast takes 128 x 128 values with the row tiles, 128 x 64 without.
     """
     outputs = cast_columns_transposed_outputs(t, fp8_dtype, with_rows)
     columns_out, column_scales, amax, rows_out, row_scales = outputs
-    (rows, columns), padded_rows = t.shape, columns_out.shape[1]
+    (rows, columns), padded_rows, row_width = t.shape, columns_out.shape[1], rows_out.shape[1]
     if not t.numel():
         column_scales.fill_(1.0)  # compute_scale's for a zero amax
         amax.zero_()
@@ -265,10 +275,10 @@ def cast_columns_transposed(
     column_amaxes = _column_amaxes(t)
     torch.amax(column_amaxes, dim=0, out=amax)
     width, warps = (_SCALE_TILE, 4) if with_rows else (_AMAX_COLUMNS, 2)
-    grid = (triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(columns, width))
+    grid = (triton.cdiv(padded_rows, _SCALE_TILE), triton.cdiv(max(columns, row_width), width))
     _cast_columns_transposed_kernel[grid](
         t, column_amaxes, columns_out, column_scales, rows_out, row_scales,
-        rows, columns, padded_rows, fp8_max, target,
+        rows, columns, padded_rows, row_width, fp8_max, target,
         WITH_ROWS=with_rows, TILE=_SCALE_TILE, COLUMNS=width, num_warps=warps,
     )  # fmt: skip
     return outputs
@@ -280,11 +290,77 @@ def cast_columns_transposed_outputs(
     """The tensors :func:`cast_columns_transposed` writes, empty (for a fake tensor, their shapes)."""
     rows, columns = t.shape
     padded_rows = rows + -rows % FP8_ALIGNMENT
-    kept_rows, kept_columns = (rows, columns) if with_rows else (0, 0)
+    kept_rows, row_width = _row_tiles_shape(rows, columns, with_rows)
     return (
         t.new_empty((columns, padded_rows), dtype=fp8_dtype),
         t.new_empty(columns, dtype=torch.float32),
         t.new_empty((), dtype=torch.float32),
-        t.new_empty((kept_rows, kept_columns), dtype=fp8_dtype),
-        t.new_empty((kept_rows, triton.cdiv(columns, _SCALE_TILE) if with_rows else 0), dtype=torch.float32),
+        t.new_empty((kept_rows, row_width), dtype=fp8_dtype),
+        t.new_empty((kept_rows, row_width // _SCALE_TILE), dtype=torch.float32),
     )
+
+
+@triton.jit
+def _cast_blocks_transposed_kernel(
+    source, columns_out, scales, amaxes, rows, columns, padded_rows, fp8_max, target, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # one program: a BLOCK x BLOCK block, scaled by its amax, written transposed; past the rows, zeros
+    row = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    column = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = (row[:, None] < rows) & (column[None, :] < columns)
+    values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
+    values = values.to(tl.float32)
+    row_amax = tl.reduce(tl.abs(values), 1, _max_keeping_nan)
+    amax = tl.reduce(row_amax, 0, _max_keeping_nan)
+    scale = _tile_scale(amax, target)
+    scaled = tl.clamp(values * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
+    tl.store(
+        columns_out + column[None, :] * padded_rows + row[:, None],
+        scaled.to(columns_out.dtype.element_ty),
+        mask=written,
+    )
+    block = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(scales + block, scale)
+    tl.store(amaxes + block, amax)
+
+
+def cast_blocks_transposed(
+    t: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float, target: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` (rows, columns), contiguous, cast to ``fp8_dtype`` in 128 x 128 blocks, each scaled by
+    ``target / its amax`` (:func:`hf_fp8.formats.compute_scale`) and clamped to ``fp8_max``, in one read:
+
+    * ``t.T``: (columns, padded_rows) FP8, the rows padded with zeros to whole groups of four blocks
+      (a multiple of 512: what the input gradient's GEMM contracts over, see :func:`cast_tiles_both`);
+    * the blocks' scales, (padded_rows / 128, ceil(columns / 128)), 1 for the padding;
+    * the blocks' amaxes, the same shape (NaN where a block holds one): their amax is ``t``'s.
+    """
+    columns_out, scales, amaxes = cast_blocks_transposed_outputs(t, fp8_dtype)
+    rows, columns = t.shape
+    if scales.numel():
+        grid = (scales.shape[0], scales.shape[1])
+        _cast_blocks_transposed_kernel[grid](
+            t, columns_out, scales, amaxes, rows, columns, columns_out.shape[1], fp8_max, target,
+            BLOCK=_SCALE_TILE, num_warps=8,
+        )  # fmt: skip
+    return columns_out, scales, amaxes
+
+
+def cast_blocks_transposed_outputs(
+    t: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensors :func:`cast_blocks_transposed` writes, empty (for a fake tensor, their shapes)."""
+    rows, columns = t.shape
+    padded_rows = rows + -rows % _ROW_TILE_GROUP
+    blocks = (padded_rows // _SCALE_TILE, triton.cdiv(columns, _SCALE_TILE))
+    return (
+        t.new_empty((columns, padded_rows), dtype=fp8_dtype),
+        t.new_empty(blocks, dtype=torch.float32),
+        t.new_empty(blocks, dtype=torch.float32),
+    )
+
+
+def _row_tiles_shape(rows: int, columns: int, with_rows: bool) -> tuple[int, int]:
+    """The shape of the row tiles' values: the columns padded to whole tile groups; (0, 0) without."""
+    return (rows, columns + -columns % _ROW_TILE_GROUP) if with_rows else (0, 0)

@@ -1,5 +1,6 @@
 """The Triton copies of FSDP2's FP8 all-gather (:mod:`hf_fp8.numerics.cuda_copies`), the block recipe's
-fused backward casts and the weight gradient's per-column casts (:mod:`hf_fp8.numerics.column_casts`)
+fused backward casts (:mod:`hf_fp8.numerics.block_casts`) and the weight gradient's per-column casts
+(:mod:`hf_fp8.numerics.column_casts`)
 against the torch ops they replace, bit for bit, on the GPU; the CPU side of the same entry points runs
 everywhere."""
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 
 from hf_fp8.formats import E4M3, E5M2, cast_to_fp8, compute_scale
 from hf_fp8.layers.fsdp import shard_in_fp8
-from hf_fp8.numerics.blockwise import cast_tiles, cast_tiles_transposed
+from hf_fp8.numerics.block_casts import fused_cast_blocks_transposed
+from hf_fp8.numerics.blockwise import cast_blocks, cast_blocks_transposed, cast_tiles, cast_tiles_transposed
 from hf_fp8.numerics.column_casts import fused_cast_columns
 from hf_fp8.numerics.gemm import column_major_copy, pad_rows, transposed_fp8
 from hf_fp8.numerics.rowwise import cast_columns, cast_rows
@@ -73,6 +75,20 @@ def test_a_transposed_tile_cast_pads_the_rows_to_16_with_zeros_and_keeps_the_nan
     assert cast_tiles_transposed(values, E4M3, 0, with_rows=False)[:2] == (None, None)
 
 
+def assert_padded_row_tiles(
+    tiles: torch.Tensor, scales: torch.Tensor, want: torch.Tensor, want_scales: torch.Tensor
+) -> None:
+    """The fused casts' row tiles are ``cast_tiles``'s to the bit, then zeros up to whole groups of 4
+    tiles (512 columns), with scales of 1: what cuBLAS's block kernels contract over."""
+    rows, columns = want.shape
+    width = columns + -columns % 512
+    assert tiles.shape == (rows, width) and scales.shape == (rows, width // 128)
+    assert torch.equal(tiles[:, :columns].view(torch.uint8), want.view(torch.uint8))
+    assert not tiles[:, columns:].view(torch.uint8).any()
+    assert torch.equal(scales[:, : want_scales.shape[1]], want_scales)
+    assert (scales[:, want_scales.shape[1] :] == 1).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("margin", [0, 2])
@@ -89,13 +105,11 @@ def test_gpu_the_fused_tile_casts_are_the_torch_casts_to_the_bit(fmt, margin, ro
     rows_fp8, row_scales, t_fp8, t_scales, tile_amaxes = cast_tiles_both(
         values, fmt.dtype, fmt.max, target, True
     )
-    for got, (want, want_scales, _) in [
-        ((rows_fp8, row_scales), cast_tiles(values, fmt, margin)),
-        ((t_fp8, t_scales), cast_tiles(padded.t(), fmt, margin)),
-    ]:
-        assert got[0].shape == want.shape and got[1].shape == want_scales.shape
-        assert torch.equal(got[0].view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(got[1], want_scales)
+    assert_padded_row_tiles(rows_fp8, row_scales, *cast_tiles(values, fmt, margin)[:2])
+    want, want_scales, _ = cast_tiles(padded.t(), fmt, margin)
+    assert t_fp8.shape == want.shape and t_scales.shape == want_scales.shape
+    assert torch.equal(t_fp8.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(t_scales, want_scales)
     magnitudes = F.pad(values.float(), (0, -columns % 64, 0, -rows % 128)).abs()
     tiles = magnitudes.view(magnitudes.shape[0] // 128, 128, magnitudes.shape[1] // 64, 64)
     assert torch.equal(tile_amaxes.nan_to_num(-1.0), tiles.amax(dim=(1, 3)).nan_to_num(-1.0))
@@ -117,6 +131,42 @@ def test_a_column_cast_is_each_columns_cast_transposed_with_zero_rows_up_to_16()
     assert amax.isnan()
 
 
+def test_a_weight_cast_in_blocks_for_the_input_gradient_is_its_blocks_transposed():
+    values = awkward_values(300, 200, torch.bfloat16, "cpu")
+    t_fp8, t_scales, amax = cast_blocks_transposed(values, E4M3, 1)
+    want, want_scales = cast_blocks(values, E4M3, 1)
+    assert t_fp8.shape == (200, 300) and t_fp8.is_contiguous() and t_scales.shape == (2, 3)
+    assert torch.equal(t_fp8.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    assert torch.equal(t_scales, want_scales.t()) and amax.isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize(("rows", "columns"), [(1, 16), (200, 576), (1000, 77), (3000, 1280)])
+def test_gpu_the_fused_block_cast_is_the_torch_cast_transposed_to_the_bit(fmt, margin, rows, columns):
+    """One read of the weight: its 128x128 blocks cast and written transposed, the rows padded with zeros
+    to whole groups of 4 blocks (scales of 1 there), as the input gradient's GEMM takes them."""
+    values = awkward_values(rows, columns, torch.bfloat16, "cuda")
+    values[-1, -1] = 0.5  # the NaN goes to a block of its own, the others compare by value
+    values[0, 0] = float("nan")
+    t_fp8, t_scales, amax = fused_cast_blocks_transposed(values, fmt, margin)
+    want, want_scales = cast_blocks(values, fmt, margin)
+    padded = rows + -rows % 512
+    assert t_fp8.shape == (columns, padded) and t_fp8.is_contiguous()
+    assert t_scales.shape == (want_scales.shape[1], padded // 128)
+    assert torch.equal(t_fp8[:, :rows].view(torch.uint8), want.t().contiguous().view(torch.uint8))
+    assert not t_fp8[:, rows:].view(torch.uint8).any()
+    kept = want_scales.shape[0]
+    assert torch.equal(t_scales[:, :kept], want_scales.t()) and (t_scales[:, kept:] == 1).all()
+    assert amax.isnan()
+    torch._dynamo.reset()  # one lambda compiled per case
+    compiled = torch.compile(lambda t: cast_blocks_transposed(t, fmt, margin), fullgraph=True)
+    compiled_fp8, compiled_scales, _ = compiled(values)
+    assert torch.equal(compiled_fp8.view(torch.uint8), t_fp8.view(torch.uint8))
+    assert torch.equal(compiled_scales, t_scales)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
 @pytest.mark.parametrize("margin", [0, 2])
@@ -130,9 +180,7 @@ def test_gpu_the_fused_column_casts_are_the_torch_casts_to_the_bit(fmt, margin, 
     assert fp8.shape == want.shape and fp8.is_contiguous()
     assert torch.equal(fp8.view(torch.uint8), want.contiguous().view(torch.uint8))
     assert torch.equal(scales, want_scales) and amax.isnan()
-    want_tiles, want_tile_scales, _ = cast_tiles(values, fmt, margin)
-    assert torch.equal(tiles.view(torch.uint8), want_tiles.view(torch.uint8))
-    assert torch.equal(tile_scales, want_tile_scales)
+    assert_padded_row_tiles(tiles, tile_scales, *cast_tiles(values, fmt, margin)[:2])
     torch._dynamo.reset()  # one lambda compiled per case
     compiled = torch.compile(lambda t: cast_columns(t, fmt, margin), fullgraph=True)
     compiled_fp8, compiled_scales, compiled_amax = compiled(values)

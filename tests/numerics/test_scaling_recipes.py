@@ -7,11 +7,14 @@ import copy
 import pytest
 import tiny_models as tm
 import torch
+import torch.nn.functional as F
 from conftest import ScaledMmCalls
 from torch import nn
 
 import hf_fp8
-from hf_fp8 import Fp8Linear, Fp8Recipe, cast_to_representable
+from hf_fp8 import E4M3, Fp8Linear, Fp8Recipe, cast_to_representable, update_fp8_scales
+from hf_fp8.numerics.blockwise import block_mm, cast_blocks, cast_tiles
+from hf_fp8.numerics.scaling import WEIGHT
 
 
 def rows_rounded(t: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
@@ -156,8 +159,8 @@ def test_gpu_rowwise_gemms_match_the_reference(scaling, compiled):
 def test_gpu_block_gemms_run_on_cublas_and_match_the_reference(in_features, out_features, stored, compiled):
     """cuBLAS's block-scaled kernels (three ``_scaled_mm`` calls, none emulated), eager and compiled,
     against the tile references, each GEMM by itself. 576 input features are 4.5 blocks: the forward's
-    weight blocks go to cuBLAS as 1x128 tiles there (torch 2.11 reads an unpadded 128x128 scale matrix
-    wrongly), 256 output features do the same for the dgrad; 200 tokens end the wgrad's tiles short."""
+    operands are padded with zeros to 8 blocks there (torch 2.11 reads an unpadded 128x128 scale matrix
+    wrongly), and 256 output features to 4 for the dgrad; 200 tokens end the wgrad's tiles short."""
     torch._dynamo.reset()
     recipe = Fp8Recipe.named("lora-fp8-block" if stored else "block")
     fp8 = layer(recipe, in_features=in_features, out_features=out_features).cuda().bfloat16()
@@ -203,3 +206,62 @@ def test_hf_fp8_compile_trains_each_scaling_exactly_as_eager(scaling):
     tm.with_compiled_loss(eager)
     batches = [tm.batch_for("llama", 32, seed=s) for s in range(2)]
     assert tm.train(compiled, batches) == tm.train(eager, batches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_gpu_the_heads_dgrad_pads_its_contraction_and_matches_the_reference(compiled):
+    """``backward-fp8``'s output head (``block_gw_rowwise``, the forward in high precision) over 768
+    outputs, 6 blocks of vocabulary: the fused column casts write ``dy``'s row tiles padded with zeros to
+    8 blocks, the weight's blocks are padded to match, and the dgrad equals the tile reference. The
+    backward's cast of the weight records its amax."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    recipe = Fp8Recipe.named("backward-fp8").head_recipe
+    head = Fp8Linear.from_float(nn.Linear(256, 768, bias=False), recipe, forward_in_fp8=False)
+    head = head.train().cuda().bfloat16()
+    weight = head.weight.detach().float().cpu()
+    x = (torch.randn(200, 256) * torch.logspace(-2, 1, 256)).bfloat16().cuda().requires_grad_()
+    dy = (torch.randn(200, 768) * torch.logspace(1, -3, 200)[:, None]).bfloat16().cuda()
+    step = torch.compile(lambda m, t: m(t), backend="inductor") if compiled else (lambda m, t: m(t))
+    with ScaledMmCalls() as mm:
+        step(head, x).backward(dy)
+    assert len(mm.calls) == 2 or compiled, "dgrad and wgrad on cuBLAS"
+    expected = tiles_rounded(dy.float().cpu(), 1, 128) @ tiles_rounded(weight, 128, 128)
+    error = (x.grad.double().cpu() - expected).abs().max().item()
+    assert error <= 2**-7 * expected.abs().max().item()
+    assert head.backward_amax[WEIGHT, 0].item() == weight.abs().max().item()
+    assert head.amax_history[WEIGHT, 0].item() == 0.0, "not read again in the forward"
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_a_block_weight_cast_in_the_backward_has_its_amax_taken_there(input_grad):
+    """With the forward in high precision (the output head of ``backward-fp8``), the backward's cast of
+    the weight in 128x128 blocks is its only one of the step: its amax comes from the blocks' amaxes
+    there, where the forward read the weight again for it. Without an input gradient there is no such
+    cast, and the forward takes it. Either way the step's end gives the weight's scale from it."""
+    recipe = Fp8Recipe(format="e4m3", scaling="block")
+    torch.manual_seed(0)
+    fp8 = Fp8Linear.from_float(nn.Linear(256, 128, bias=False), recipe, forward_in_fp8=False).train()
+    x = torch.randn(48, 256, requires_grad=input_grad)
+    fp8(x).sum().backward()
+    amax = fp8.weight.detach().abs().max().item()
+    assert fp8.backward_amax[WEIGHT, 0].item() == (amax if input_grad else 0.0)
+    assert fp8.amax_history[WEIGHT, 0].item() == (0.0 if input_grad else amax)
+    update_fp8_scales(fp8)
+    assert amax in fp8.amax_history[WEIGHT].tolist()
+    assert fp8.scale[WEIGHT].item() == pytest.approx(448.0 / amax)
+
+
+def test_a_block_gemm_takes_an_operand_padded_with_zero_columns():
+    """The fused casts write row tiles padded with zero columns to whole groups of 4 tiles, the
+    contraction cuBLAS's block kernels take: ``block_mm`` pads the other operand to match (here emulated,
+    the CPU's path), and the zeros add nothing."""
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 640), torch.randn(256, 640)  # 5 blocks of 128
+    a_fp8, a_scales, _ = cast_tiles(a, E4M3, 0)
+    b_fp8, b_scales = cast_blocks(b, E4M3, 0)
+    want = block_mm(a_fp8, a_scales, b_fp8, b_scales, True, torch.float32)
+    padded = F.pad(a_fp8.view(torch.uint8), (0, 384)).view(a_fp8.dtype)
+    got = block_mm(padded, F.pad(a_scales, (0, 3), value=1.0), b_fp8, b_scales, True, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
