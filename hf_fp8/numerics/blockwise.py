@@ -16,11 +16,11 @@ a 128x128 scale matrix with its rows padded to a multiple of 4 blocks, and torch
 refuses an unpadded one: the product comes out wrong. Where the contraction has a number of blocks
 that is not a multiple of 4 (the output head's dgrad: 1,002 blocks of vocabulary for Llama 3), both
 operands are therefore padded with zeros to whole groups of 4 blocks, which add nothing to the product.
-The fused casts below write ``dy``'s row tiles so padded; a compiled graph pads the weight's blocks in
-the kernel that casts and transposes them. (Handing the block scales over as 1x128 tiles instead gives
-the same numbers on a slower kernel: 9.5 against 7.6 ms for the 8b-4l head's dgrad on one H200.)
-Elsewhere (CPU, other GPUs) the GEMM is emulated exactly: the FP8 values times their scales
-in float32, multiplied in float32 (the patch report says so).
+On Hopper the casts come so padded: ``dy``'s row tiles from the fused casts below, the weight's blocks
+from the kernel that casts and transposes them (:func:`cast_blocks_transposed`). (Handing the block
+scales over as 1x128 tiles instead gives the same numbers on a slower kernel: 9.5 against 7.6 ms for
+the 8b-4l head's dgrad on one H200.) Elsewhere (CPU, other GPUs) the GEMM is emulated exactly: the FP8
+values times their scales in float32, multiplied in float32 (the patch report says so).
 
 The backward's casts for the weight gradient (``dy`` both ways, ``x.T``) are one Triton kernel on Hopper
 (:func:`cast_tiles_transposed`): one read of each tensor, the transpose written through shared memory.
