@@ -111,13 +111,7 @@ def _cast_tiles_both_kernel(
     # TILE x 1 tiles (one column, TILE rows), written transposed: row-major (columns, padded_rows)
     column_amax = tl.reduce(magnitudes, 0, _max_keeping_nan)
     column_scale = _tile_scale(column_amax, target)
-    scaled = tl.clamp(values * column_scale[None, :], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
-    tl.store(
-        columns_out + column[None, :] * padded_rows + row[:, None],
-        scaled.to(columns_out.dtype.element_ty),
-        mask=written,
-    )
+    _store_transposed(values, column_scale[None, :], row, column, columns_out, columns, padded_rows, fp8_max)
     tl.store(column_scales + column * tl.num_programs(0) + tile_row, column_scale, mask=column < columns)
     # the amax of each TILE x AMAX_COLUMNS part of the program's tile
     parts: tl.constexpr = COLUMNS // AMAX_COLUMNS
@@ -129,6 +123,19 @@ def _cast_tiles_both_kernel(
         _store_row_tiles(
             values, magnitudes, row, column, rows_out, row_scales, rows, row_width, fp8_max, target
         )
+
+
+@triton.jit
+def _store_transposed(values, scale, row, column, columns_out, columns, padded_rows, fp8_max):
+    """Cast a program's ``values * scale`` (clamped to ``fp8_max``) and store them transposed, row-major
+    (columns, padded_rows): the rows past the source's, up to ``padded_rows``, hold the zeros loaded."""
+    scaled = tl.clamp(values * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
+    tl.store(
+        columns_out + column[None, :] * padded_rows + row[:, None],
+        scaled.to(columns_out.dtype.element_ty),
+        mask=written,
+    )
 
 
 @triton.jit
@@ -236,13 +243,7 @@ def _cast_columns_transposed_kernel(
     scale = _tile_scale(tl.load(column_amaxes + column, mask=column < columns, other=0.0), target)
     if tl.program_id(0) == 0:
         tl.store(column_scales + column, scale, mask=column < columns)
-    scaled = tl.clamp(values * scale[None, :], -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
-    tl.store(
-        columns_out + column[None, :] * padded_rows + row[:, None],
-        scaled.to(columns_out.dtype.element_ty),
-        mask=written,
-    )
+    _store_transposed(values, scale[None, :], row, column, columns_out, columns, padded_rows, fp8_max)
     if WITH_ROWS:
         _store_row_tiles(
             values, tl.abs(values), row, column, rows_out, row_scales, rows, row_width, fp8_max, target
@@ -313,13 +314,7 @@ def _cast_blocks_transposed_kernel(
     row_amax = tl.reduce(tl.abs(values), 1, _max_keeping_nan)
     amax = tl.reduce(row_amax, 0, _max_keeping_nan)
     scale = _tile_scale(amax, target)
-    scaled = tl.clamp(values * scale, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    written = (row[:, None] < padded_rows) & (column[None, :] < columns)
-    tl.store(
-        columns_out + column[None, :] * padded_rows + row[:, None],
-        scaled.to(columns_out.dtype.element_ty),
-        mask=written,
-    )
+    _store_transposed(values, scale, row, column, columns_out, columns, padded_rows, fp8_max)
     block = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(scales + block, scale)
     tl.store(amaxes + block, amax)
