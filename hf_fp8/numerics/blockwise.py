@@ -116,9 +116,9 @@ def cast_tiles_transposed(
     column; rows padded with zeros to a multiple of 16, see :func:`pad_rows`), with ``with_rows`` also
     ``t`` in 1x128 tiles of its rows (what the input gradient needs of ``dy``; from the Triton kernel
     with zero columns up to whole groups of 4 tiles, as :func:`block_mm` takes them), else ``None``
-    twice; then ``t``'s amax. As :func:`cast_tiles` gives each, bit for bit; on Hopper one Triton kernel reads
-    ``t`` once for both and writes the transpose through shared memory, where the two casts compiled
-    from torch ops read it twice, the second time across rows."""
+    twice; then ``t``'s amax. As :func:`cast_tiles` gives each (up to that padding), bit for bit; on
+    Hopper one Triton kernel reads ``t`` once for both and writes the transpose through shared memory,
+    where the two casts compiled from torch ops read it twice, the second time across rows."""
     if _fused_casts_available(t.device):
         rows_fp8, row_scales, t_fp8, t_scales, amaxes = fused_cast_tiles(t, fmt, margin, with_rows)
         if not with_rows:
@@ -238,7 +238,8 @@ def block_kernels_available(device: torch.device) -> bool:
 
 @torch.compiler.assume_constant_result
 def _fused_casts_available(device: torch.device) -> bool:
-    """Whether :func:`cast_tiles_transposed` takes its Triton kernel on ``device`` (Hopper, Triton)."""
+    """Whether :func:`cast_tiles_transposed` and :func:`cast_blocks_transposed` take their Triton
+    kernels on ``device`` (Hopper, Triton)."""
     return block_kernels_available(device) and triton_installed()
 
 
@@ -313,12 +314,14 @@ class _BlockFp8Linear(torch.autograd.Function):
             ctx.save_for_backward(x, w_fp8, w_scales)
         else:  # as F.linear (the output head's logits; any layer under forward_in_fp8: false)
             dtype = config.out_dtype
+            if stored is not None:  # a weight stored in FP8 is its values over its block scales
+                weight = stored[0].float() / expand_block_scales(stored[1], *stored[0].shape)
             out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
             x_amax = tensor_amax(x)
-            ctx.save_for_backward(x, weight, None)
+            ctx.save_for_backward(x, *(stored if stored is not None else (weight, None)))
         # a stored weight's scales were taken when it was stored; a weight that the backward casts (its
         # only cast of the step) has its amax taken there, from the blocks' amaxes
-        weight_cast_later = not config.forward_in_fp8 and ctx.needs_input_grad[0]
+        weight_cast_later = stored is None and not config.forward_in_fp8 and ctx.needs_input_grad[0]
         if record:
             record_amax(amax_history, scale, INPUT, x_amax, fmt, margin)
             if stored is None and not weight_cast_later:

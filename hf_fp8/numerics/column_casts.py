@@ -32,7 +32,8 @@ def fused_cast_columns(
     """``t`` (rows, columns) cast per column over its rows: ``t.T`` in ``fmt``, (columns, rows padded
     with zeros to a multiple of 16), contiguous; the scales, (columns, 1); ``t``'s amax; and with
     ``with_row_tiles`` ``t`` in 1x128 tiles of its rows and their scales, as
-    :func:`hf_fp8.numerics.blockwise.cast_tiles` gives them, else ``None`` twice."""
+    :func:`hf_fp8.numerics.blockwise.cast_tiles` gives them, then zero columns (scales of 1) up to
+    whole groups of 4 tiles, else ``None`` twice."""
     columns, scales, amax, row_tiles, row_scales = _cast_columns(
         t.contiguous(), fmt.dtype, fmt.max, fmt.max / 2.0**margin, with_row_tiles
     )

@@ -265,3 +265,23 @@ def test_a_block_gemm_takes_an_operand_padded_with_zero_columns():
     padded = F.pad(a_fp8.view(torch.uint8), (0, 384)).view(a_fp8.dtype)
     got = block_mm(padded, F.pad(a_scales, (0, 3), value=1.0), b_fp8, b_scales, True, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_a_weight_stored_in_blocks_with_the_forward_in_high_precision_is_its_stored_values():
+    """``fp8_weights`` under ``forward_in_fp8: false``: the forward multiplies by the stored FP8 values
+    over their block scales (it took the raw FP8 bytes' values before), and the input gradient uses the
+    same blocks; no amax is taken of them, their scales were fixed when they were stored."""
+    recipe = Fp8Recipe(format="e4m3", scaling="block", fp8_weights=True)
+    torch.manual_seed(0)
+    fp8 = Fp8Linear.from_float(nn.Linear(256, 128, bias=False), recipe, forward_in_fp8=False).train()
+    fp8.weight.requires_grad_(False)
+    fp8.quantize_weight_()
+    stored = fp8.dequantized_weight().float()
+    x = torch.randn(48, 256, requires_grad=True)
+    y = fp8(x)
+    torch.testing.assert_close(y, x.detach() @ stored.T, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    expected = tiles_rounded(dy, 1, 128) @ stored.double()
+    assert (x.grad.double() - expected).abs().max() <= 2**-7 * expected.abs().max()
+    assert fp8.backward_amax[WEIGHT, 0] == 0 and fp8.amax_history[WEIGHT, 0] == 0
