@@ -104,9 +104,7 @@ def _cast_tiles_both_kernel(
     tile_row, tile_column = tl.program_id(0), tl.program_id(1)
     row = tile_row.to(tl.int64) * TILE + tl.arange(0, TILE)
     column = tile_column.to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)
-    inside = (row[:, None] < rows) & (column[None, :] < columns)
-    values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
-    values = values.to(tl.float32)
+    values = _load_tile(source, row, column, rows, columns)
     magnitudes = tl.abs(values)
     # TILE x 1 tiles (one column, TILE rows), written transposed: row-major (columns, padded_rows)
     column_amax = tl.reduce(magnitudes, 0, _max_keeping_nan)
@@ -123,6 +121,14 @@ def _cast_tiles_both_kernel(
         _store_row_tiles(
             values, magnitudes, row, column, rows_out, row_scales, rows, row_width, fp8_max, target
         )
+
+
+@triton.jit
+def _load_tile(source, row, column, rows, columns):
+    """A program's ``row`` x ``column`` tile of ``source`` (rows, columns), row-major, in float32: zeros
+    past its rows and columns."""
+    inside = (row[:, None] < rows) & (column[None, :] < columns)
+    return tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -212,9 +218,8 @@ def _column_amaxes_kernel(source, amaxes, rows, columns, TILE: tl.constexpr, ROW
     amax = tl.zeros((TILE,), dtype=tl.float32)
     for start in range(0, ROWS, TILE):
         row = first + start + tl.arange(0, TILE)
-        inside = (row[:, None] < rows) & (column[None, :] < columns)
-        values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
-        amax = _max_keeping_nan(amax, tl.reduce(tl.abs(values.to(tl.float32)), 0, _max_keeping_nan))
+        values = _load_tile(source, row, column, rows, columns)
+        amax = _max_keeping_nan(amax, tl.reduce(tl.abs(values), 0, _max_keeping_nan))
     tl.store(amaxes + tl.program_id(0) * columns + column, amax, mask=column < columns)
 
 
@@ -237,9 +242,7 @@ def _cast_columns_transposed_kernel(
     # one program: TILE rows x COLUMNS columns (COLUMNS == TILE with the row tiles)
     row = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     column = tl.program_id(1).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)
-    inside = (row[:, None] < rows) & (column[None, :] < columns)
-    values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
-    values = values.to(tl.float32)
+    values = _load_tile(source, row, column, rows, columns)
     scale = _tile_scale(tl.load(column_amaxes + column, mask=column < columns, other=0.0), target)
     if tl.program_id(0) == 0:
         tl.store(column_scales + column, scale, mask=column < columns)
@@ -308,9 +311,7 @@ def _cast_blocks_transposed_kernel(
     # one program: a BLOCK x BLOCK block, scaled by its amax, written transposed; past the rows, zeros
     row = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     column = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = (row[:, None] < rows) & (column[None, :] < columns)
-    values = tl.load(source + row[:, None] * columns + column[None, :], mask=inside, other=0.0)
-    values = values.to(tl.float32)
+    values = _load_tile(source, row, column, rows, columns)
     row_amax = tl.reduce(tl.abs(values), 1, _max_keeping_nan)
     amax = tl.reduce(row_amax, 0, _max_keeping_nan)
     scale = _tile_scale(amax, target)
